@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:
+#   make reproduce   the pipeline on the embedded default target (smollm2-135m, offline, CPU)
+#   make test        the test suite
+# Each creates or updates the virtualenv it needs.
+
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first with an exact pin: on a CPU machine this takes the CPU build (a looser
+# spec can pull a multi-GB CUDA build); GPU users may set TORCH_SPEC to their own build.
+TORCH_SPEC ?= torch==2.13.0
+TARGET ?= smollm2-135m
+BIN = $(VENV)/bin
+STAMP = $(VENV)/.dlite-installed
+
+.PHONY: reproduce test install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+reproduce: $(STAMP)
+	$(BIN)/dlite prepare-target --target $(TARGET)
+	$(BIN)/dlite regen --target $(TARGET)
+	$(BIN)/dlite status --target $(TARGET)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,174 @@
+"""The run directory: one folder per stage, a manifest per stage, atomic writes.
+
+Layout::
+
+    runs/<target>/
+        regen/manifest.json      what the stage consumed (config hash, inputs), status, timings, versions
+        regen/...                the stage's own files
+        train-teacher/ ...
+
+Every file a later stage reads is written to a temporary name and renamed into
+place, so a killed stage never leaves a file that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import __version__
+from .errors import DliteError
+
+STAGES = ("regen", "train-teacher", "warmup", "stable", "bench")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory that becomes ``path`` only if the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    os.chmod(tmp, 0o755)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        raise DliteError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {
+        "dlite": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+class Stage:
+    """One stage's folder under the run directory and its ``manifest.json``.
+
+    ``status`` is ``running`` from :meth:`begin` until :meth:`finish` sets
+    ``done``; a stage killed on the way stays ``running`` on disk and is shown
+    as partial.
+    """
+
+    def __init__(self, run_dir: Path, name: str):
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name}")
+        self.name = name
+        self.dir = Path(run_dir) / name
+        self.manifest_path = self.dir / "manifest.json"
+        self._started = time.time()
+
+    def manifest(self) -> dict | None:
+        return read_json(self.manifest_path)
+
+    def begin(self, config_hash: str, config: dict, inputs: dict, force: bool = False) -> bool:
+        """Claim the stage for this config; return False if it is already done with it.
+
+        A stage left by a different config is refused unless ``force``, which wipes it.
+        """
+        old = self.manifest()
+        if old is not None and old["config_hash"] != config_hash:
+            if not force:
+                raise DliteError(
+                    f"{self.dir} was produced by a different config (hash {old['config_hash']}, now {config_hash});"
+                    " pass --force to discard it and start again"
+                )
+            shutil.rmtree(self.dir)
+            old = None
+        if old is not None and old["status"] == "done":
+            return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        manifest = old or {"stage": self.name, "config_hash": config_hash, "elapsed_s": 0.0, "runs": 0}
+        manifest.update(
+            config=config,
+            inputs=inputs,
+            status="running",
+            started=manifest.get("started") or _now(),
+            versions=versions(),
+            runs=manifest["runs"] + 1,
+        )
+        self._elapsed_before = manifest["elapsed_s"]
+        self._started = time.time()
+        atomic_write_json(self.manifest_path, manifest)
+        return True
+
+    def update(self, **fields: Any) -> None:
+        """Record progress (e.g. ``progress={"done": 3, "total": 8, "unit": "prompts"}``) and elapsed time."""
+        manifest = self.manifest()
+        manifest.update(fields, elapsed_s=round(self._elapsed_before + time.time() - self._started, 3))
+        atomic_write_json(self.manifest_path, manifest)
+
+    def finish(self, **fields: Any) -> None:
+        self.update(status="done", finished=_now(), **fields)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def stage_rows(run_dir: Path) -> list[dict]:
+    """What ``dlite status`` shows: one row per stage, done / partial / missing."""
+    rows = []
+    for name in STAGES:
+        stage = Stage(run_dir, name)
+        manifest = stage.manifest() if stage.manifest_path.exists() else None
+        row = {"stage": name, "status": "missing", "progress": "", "size": dir_size(stage.dir), "produced_by": ""}
+        if manifest is not None:
+            row["status"] = "done" if manifest["status"] == "done" else "partial"
+            progress = manifest.get("progress")
+            if progress:
+                row["progress"] = f"{progress['done']}/{progress['total']} {progress['unit']}"
+            row["produced_by"] = (
+                f"config {manifest['config_hash']}, target {manifest['inputs'].get('target', '?')}, "
+                f"{manifest.get('finished') or manifest['started']}, {manifest['elapsed_s']:.0f} s"
+            )
+        rows.append(row)
+    return rows

@@ -1,0 +1,134 @@
+"""The ``dlite`` command line: one subcommand per pipeline stage, plus helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .config import DEFAULT_TARGET, Config, load_config
+from .errors import DliteError
+
+app = typer.Typer(
+    help="DLite history-free speculative decoding: regenerate data, train drafters, serve and benchmark them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True, highlight=False)  # messages and progress; stdout is left for results
+
+TargetOption = Annotated[
+    str,
+    typer.Option("--target", "-t", help="Config name in configs/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path."),
+]
+RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory [default: runs/<target>].")]
+SetOption = Annotated[
+    Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
+]
+ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
+
+
+def log(message: str) -> None:
+    console.print(message, markup=False)
+
+
+def _load(target: str, overrides: list[str] | None) -> Config:
+    _quiet_libraries()
+    return load_config(target, overrides or [])
+
+
+def _run_dir(config: Config, run_dir: Path | None) -> Path:
+    return run_dir if run_dir is not None else Path("runs") / config.name
+
+
+def _quiet_libraries() -> None:
+    """Our own progress bars and messages replace the libraries' per-file bars and warnings."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@app.command("prepare-target")
+def prepare_target_command(target: TargetOption = DEFAULT_TARGET, set_: SetOption = None) -> None:
+    """Materialise the target model as a plain Hugging Face checkpoint (stages also do this when needed)."""
+    from .targets import prepare_target
+
+    config = _load(target, set_)
+    prepared = prepare_target(config.target, log)
+    log(f"target {prepared.name} is ready at {prepared.path} (fingerprint {prepared.fingerprint})")
+    print(prepared.path)
+
+
+@app.command()
+def regen(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    backend: Annotated[Optional[str], typer.Option(help="hf (transformers), openai (a server) or sglang (offline engine).")] = None,
+    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight with the openai backend.")] = 16,
+    model: Annotated[Optional[str], typer.Option(help="Model name on the server [default: its first model].")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N prompts of the plan.")] = None,
+    shard: Annotated[str, typer.Option(help="Run worker i of n: i/n. Workers share the run directory.")] = "0/1",
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most new tokens per response.")] = None,
+    thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Qwen3 thinking mode.")] = None,
+    force: ForceOption = False,
+) -> None:
+    """Regenerate the training responses with the target model (resumable, shardable)."""
+    from .regen import parse_shard, run_regen
+
+    flags = {
+        "regen.backend": backend,
+        "regen.temperature": temperature,
+        "regen.top_p": top_p,
+        "regen.max_new_tokens": max_new_tokens,
+        "target.thinking": thinking,
+    }
+    config = _load(target, (set_ or []) + [f"{key}={value}" for key, value in flags.items() if value is not None])
+    run_regen(
+        config,
+        _run_dir(config, run_dir),
+        limit=limit,
+        shard=parse_shard(shard),
+        base_url=base_url,
+        concurrency=concurrency,
+        model_name=model,
+        force=force,
+        log=log,
+    )
+
+
+@app.command()
+def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
+    """Show each stage of a run directory: done, partial (with progress) or missing."""
+    from .artifacts import stage_rows
+
+    directory = run_dir if run_dir is not None else Path("runs") / Path(target).stem
+    table = Table(title=f"dlite run {directory}")
+    for column in ("stage", "status", "progress", "size", "produced by"):
+        table.add_column(column)
+    colours = {"done": "green", "partial": "yellow", "missing": "dim"}
+    for row in stage_rows(directory):
+        status_text = f"[{colours[row['status']]}]{row['status']}[/]"
+        size = f"{row['size'] / 1e6:.1f} MB" if row["size"] else ""
+        table.add_row(row["stage"], status_text, row["progress"], size, row["produced_by"])
+    Console().print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except DliteError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("interrupted; run the same command again to resume")
+        sys.exit(130)

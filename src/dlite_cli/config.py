@@ -1,0 +1,277 @@
+"""Typed configuration: one schema with sections, loaded and validated in one place.
+
+A config is a YAML file (``configs/<target>.yaml`` or any path) with the sections
+``target``, ``regen``, ``drafter`` and ``train``.  Every key is checked against
+the dataclasses below: an unknown key, a wrong type or an impossible value is a
+one-sentence :class:`DliteError` naming the file and the key.  ``--set
+section.key=value`` overrides are applied to the raw YAML before validation, so
+they are checked exactly like the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import DliteError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Packaged wheels carry the configs inside the package; a source checkout keeps them at the top.
+CONFIG_DIRS = (PACKAGE_DIR / "configs", PACKAGE_DIR.parents[1] / "configs")
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def _checked(default: Any = dataclasses.MISSING, *, check, says: str):
+    """A dataclass field whose value must satisfy ``check``; ``says`` completes 'must ...'."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"check": check, "says": says})
+    return field(default=default, metadata={"check": check, "says": says})
+
+
+def positive(default: Any = dataclasses.MISSING):
+    return _checked(default, check=lambda v: v > 0, says="be > 0")
+
+
+def non_negative(default: Any = dataclasses.MISSING):
+    return _checked(default, check=lambda v: v >= 0, says="be >= 0")
+
+
+def fraction(default: Any = dataclasses.MISSING):
+    return _checked(default, check=lambda v: 0 <= v <= 1, says="be between 0 and 1")
+
+
+@dataclass
+class MicroConfig:
+    """A tiny randomly initialised target for tests, built from this section and a seed."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    vocab_size: int = positive(512)
+    hidden_size: int = positive(64)
+    num_layers: int = positive(4)
+    num_heads: int = positive(4)
+    num_kv_heads: int = positive(2)
+    intermediate_size: int = positive(128)
+    max_position_embeddings: int = positive(4096)
+    seed: int = 0
+
+
+@dataclass
+class TargetConfig:
+    """The target model: a built-in name (``smollm2-135m``, ``micro``), a hub id or a local path."""
+
+    model: str
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    thinking: bool = False  # Qwen3's enable_thinking in the chat template
+    micro: MicroConfig = field(default_factory=MicroConfig)
+
+
+PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code"]
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source and how many prompts to take from it."""
+
+    name: PromptSourceName
+    count: int = positive()
+    path: str | None = None  # hub id or local file/dir; None = the source's default
+
+
+@dataclass
+class RegenConfig:
+    """``dlite regen``: the target rewrites the responses to these prompts."""
+
+    sources: list[SourceConfig]
+    backend: Literal["hf", "openai", "sglang"] = "hf"
+    temperature: float = non_negative(0.0)
+    top_p: float = _checked(1.0, check=lambda v: 0 < v <= 1, says="be in (0, 1]")
+    max_new_tokens: int = positive(4096)
+    max_length: int = positive(4096)  # prompt + response tokens
+    max_prompt_tokens: int = positive(2048)  # longer prompts are skipped, with the reason
+    batch_size: int = positive(32)  # prompts per generate call (hf, sglang)
+    chunk_size: int = positive(512)  # prompts per output shard; the unit of --shard
+    seed: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    """The DLite drafter (DESIGN.md §1)."""
+
+    num_target_layers: int = positive(12)  # S context slots
+    draft_tokens: int = positive(7)  # K proposals per round
+    num_layers: int = positive(5)  # N backbone layers
+    head_rank: int = positive(320)  # R of the sequential head
+    sequential_head: bool = True
+    composition: Literal["sequence", "feature"] = "sequence"
+
+
+@dataclass
+class TrainConfig:
+    """The three training stages (paper App. A.1)."""
+
+    lr: float = positive(4e-4)
+    weight_decay: float = non_negative(0.0)
+    grad_clip: float = positive(1.0)
+    global_batch: int = positive(32)
+    micro_batch: int = positive(32)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_ratio: float = fraction(0.04)
+    teacher_epochs: int = positive(8)
+    warmup_epochs: int = positive(2)
+    stable_epochs: int = positive(6)
+    gamma: float = positive(4.0)
+    lambda_ce: float = non_negative(0.1)
+    lambda_tv: float = non_negative(1.0)
+    max_length: int = positive(4096)
+    anchors_per_sample: int = positive(512)
+    features: Literal["online", "cached"] = "online"
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    target: TargetConfig
+    regen: RegenConfig
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = ""  # defaults to the file's stem; names the run directory
+    description: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        """Cross-field constraints, as (key, what is wrong)."""
+        problems = []
+        if self.regen.max_prompt_tokens >= self.regen.max_length:
+            problems.append(("regen.max_prompt_tokens", "must be smaller than regen.max_length"))
+        if self.train.global_batch % self.train.micro_batch:
+            problems.append(("train.global_batch", "must be a multiple of train.micro_batch"))
+        return problems
+
+
+# ---------------------------------------------------------------- loading
+
+
+def find_config(target: str) -> Path:
+    """``--target NAME`` → ``configs/NAME.yaml``; a path to a YAML file works too."""
+    as_path = Path(target)
+    if as_path.suffix in (".yaml", ".yml"):
+        if not as_path.is_file():
+            raise DliteError(f"config file {target} does not exist")
+        return as_path
+    for directory in CONFIG_DIRS:
+        candidate = directory / f"{target}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.yaml")} - {"paper_results"})
+    raise DliteError(f"unknown target {target!r}: expected one of {', '.join(known)} or a path to a YAML file")
+
+
+def load_config(target: str = DEFAULT_TARGET, overrides: list[str] = ()) -> Config:
+    path = find_config(target)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise DliteError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise DliteError(f"{path}: expected a mapping of sections at the top level")
+    for item in overrides:
+        _apply_override(raw, item, path)
+    config = _build(Config, raw, f"{path}", "")
+    for key, problem in config.check():
+        raise DliteError(f"{path}: {key} {problem}")
+    config.name = config.name or path.stem
+    return config
+
+
+def _apply_override(raw: dict, item: str, path: Path) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise DliteError(f"--set {item!r}: expected section.key=value")
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise DliteError(f"{path}: --set {key}: {part} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def _build(cls, data: Any, origin: str, prefix: str):
+    if not isinstance(data, dict):
+        raise DliteError(f"{origin}: {prefix.rstrip('.') or 'the file'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise DliteError(f"{origin}: unknown key {prefix}{key} (expected one of {', '.join(fields)})")
+    values = {}
+    for name, f in fields.items():
+        key = prefix + name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise DliteError(f"{origin}: missing required key {key}")
+            continue
+        value = _coerce(data[name], hints[name], origin, key)
+        check = f.metadata.get("check")
+        if check is not None and not check(value):
+            raise DliteError(f"{origin}: {key} must {f.metadata['says']}, got {value!r}")
+        values[name] = value
+    return cls(**values)
+
+
+def _coerce(value: Any, tp: Any, origin: str, key: str) -> Any:
+    def wrong(expected: str):
+        return DliteError(f"{origin}: {key} must be {expected}, got {value!r}")
+
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, origin, key + ".")
+    kind = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if kind in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, origin, key)
+    if kind is Literal:
+        if value not in args:
+            raise wrong("one of " + ", ".join(map(str, args)))
+        return value
+    if kind is list:
+        if not isinstance(value, list):
+            raise wrong("a list")
+        return [_coerce(v, args[0], origin, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong("a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong("a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise wrong("a string")
+        return value
+    raise TypeError(f"config type {tp} of {key} is not supported")
+
+
+def config_hash(*sections: Any) -> str:
+    """A short, stable hash of config sections (dataclasses or plain JSON values)."""
+    plain = [dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s for s in sections]
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,33 @@
+"""Progress bars for long work: rich, with count, rate and ETA."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Bar:
+    """One task of a rich progress display; ``update(advance=n, description=...)``."""
+
+    def __init__(self, progress: Progress, task):
+        self._progress, self._task = progress, task
+
+    def update(self, **fields) -> None:
+        self._progress.update(self._task, **fields)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, completed: int = 0) -> Iterator[Bar]:
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as progress:
+        yield Bar(progress, progress.add_task(description, total=total, completed=completed))

