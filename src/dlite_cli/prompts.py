@@ -27,7 +27,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .config import RegenConfig, SourceConfig
 from .errors import DliteError
@@ -67,16 +67,19 @@ def is_heldout(sample_id: str) -> bool:
     return int(hashlib.sha1(sample_id.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
-def plan_prompts(regen: RegenConfig, limit: int | None = None, log=print) -> tuple[list[Prompt], list[Skipped]]:
-    """The ordered prompt list of a regen run: ``count`` training prompts per source, shuffled with the seed.
+def plan_prompts(
+    regen: RegenConfig, limit: int | None = None, log=print, unusable: Callable[[Prompt], str | None] = lambda p: None
+) -> tuple[list[Prompt], list[Skipped]]:
+    """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed.
 
-    Returns the prompts (first ``limit`` only, if given) and the malformed or
-    duplicate records that were skipped on the way.
+    ``unusable(prompt)`` returns why a prompt cannot be used (e.g. too long for
+    the target), or None.  Returns the prompts (first ``limit`` only, if given)
+    and the malformed, duplicate or unusable records skipped on the way.
     """
     prompts: list[Prompt] = []
     skipped: list[Skipped] = []
     for source in regen.sources:
-        taken = _take(source, skipped)
+        taken = _take(source, skipped, unusable)
         if len(taken) < source.count:
             log(f"source {source.name} has only {len(taken)} usable training prompts ({source.count} asked for)")
         prompts += taken
@@ -84,7 +87,7 @@ def plan_prompts(regen: RegenConfig, limit: int | None = None, log=print) -> tup
     return prompts[:limit] if limit is not None else prompts, skipped
 
 
-def _take(source: SourceConfig, skipped: list[Skipped]) -> list[Prompt]:
+def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prompt], str | None]) -> list[Prompt]:
     seen: set[str] = set()
     taken: list[Prompt] = []
     for item in _source_prompts(source):
@@ -92,7 +95,11 @@ def _take(source: SourceConfig, skipped: list[Skipped]) -> list[Prompt]:
             skipped.append(item)
         elif item.id in seen:
             skipped.append(Skipped(item.id, source.name, "duplicate sample id"))
-        elif not is_heldout(item.id):
+        elif is_heldout(item.id):
+            continue
+        elif reason := unusable(item):
+            skipped.append(Skipped(item.id, source.name, reason))
+        else:
             seen.add(item.id)
             taken.append(item)
             if len(taken) == source.count:
@@ -239,7 +246,7 @@ def _stdlib_prompts() -> Iterator[Prompt]:
                 signature = inspect.signature(function)
             except (TypeError, ValueError):
                 continue
-            if not doc:
+            if not doc or " at 0x" in str(signature):  # a default's repr with an address differs per process
                 continue
             summary = doc.split("\n\n")[0]
             request = (

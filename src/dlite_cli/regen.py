@@ -36,7 +36,7 @@ from .config import Config, RegenConfig, config_hash
 from .errors import DliteError
 from .progress import progress_bar
 from .prompts import Prompt, Skipped, plan_prompts
-from .targets import load_target, prepare_target
+from .targets import load_model, load_tokenizer, prepare_target
 
 
 @dataclass
@@ -218,11 +218,20 @@ def run_regen(
     regen = config.regen
     if regen.backend == "openai" and not base_url:
         raise DliteError("the openai backend needs --base-url, e.g. http://127.0.0.1:8000/v1")
-    prompts, source_skips = plan_prompts(regen, limit, log)
-    if not prompts:
-        raise DliteError("regen has no prompts to run: the configured sources gave none (check regen.sources and --limit)")
-    plan_digest = hashlib.sha256("\n".join(p.id for p in prompts).encode()).hexdigest()[:16]
     target = prepare_target(config.target, log)
+    tokenizer = load_tokenizer(target)
+
+    def too_long(prompt: Prompt) -> str | None:
+        length = len(chat_prompt_ids(tokenizer, prompt.messages, config.target.thinking))
+        if length > regen.max_prompt_tokens:
+            return f"prompt has {length} tokens, over regen.max_prompt_tokens={regen.max_prompt_tokens}"
+        return None
+
+    prompts, source_skips = plan_prompts(regen, limit, log, unusable=too_long)
+    if not prompts:
+        reason = f" (first skip: {source_skips[0].reason})" if source_skips else ""
+        raise DliteError(f"regen has no prompts to run: the configured sources gave no usable prompt{reason}")
+    plan_digest = hashlib.sha256("\n".join(p.id for p in prompts).encode()).hexdigest()[:16]
     stage = Stage(run_dir, "regen")
     stage_hash = config_hash(config.target, regen, {"limit": limit, "plan": plan_digest})
     inputs = {"target": target.fingerprint, "prompts": plan_digest, "sources": [s.name for s in regen.sources]}
@@ -237,11 +246,7 @@ def run_regen(
     mine = [c for c in range(len(chunks)) if c % shard[1] == shard[0] and not _chunk_path(chunks_dir, c).exists()]
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
     if mine:
-        model, tokenizer, _ = load_target(config.target, log) if regen.backend == "hf" else (None, None, None)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(target.path)
+        model = load_model(target, config.target.dtype) if regen.backend == "hf" else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),
@@ -307,30 +312,22 @@ def _seed(seed: int, chunk: int, batch: int) -> int:
 
 
 def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, regen: RegenConfig, seed: int) -> list[dict]:
-    records: list[dict | None] = [None] * len(prompts)
-    runnable = []
-    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        if len(ids) > regen.max_prompt_tokens:
-            reason = f"prompt has {len(ids)} tokens, over regen.max_prompt_tokens={regen.max_prompt_tokens}"
-            records[i] = {"id": prompt.id, "source": prompt.source, "error": reason}
+    records = []
+    for prompt, ids, result in zip(prompts, prompt_ids, generator.generate(prompt_ids, [p.messages for p in prompts], seed)):
+        if isinstance(result, str):
+            records.append({"id": prompt.id, "source": prompt.source, "error": result})
         else:
-            runnable.append(i)
-    if runnable:
-        results = generator.generate([prompt_ids[i] for i in runnable], [prompts[i].messages for i in runnable], seed)
-        for i, result in zip(runnable, results):
-            prompt = prompts[i]
-            if isinstance(result, str):
-                records[i] = {"id": prompt.id, "source": prompt.source, "error": result}
-            else:
-                records[i] = {
+            records.append(
+                {
                     "id": prompt.id,
                     "source": prompt.source,
                     "messages": prompt.messages,
                     "response": result.text,
-                    "input_ids": prompt_ids[i] + result.token_ids,
-                    "prompt_len": len(prompt_ids[i]),
+                    "input_ids": ids + result.token_ids,
+                    "prompt_len": len(ids),
                     "finish_reason": result.finish_reason,
                 }
+            )
     return records
 
 

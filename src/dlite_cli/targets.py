@@ -71,17 +71,28 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
 
 
 def load_target(config: TargetConfig, log=print):
-    """Return ``(model, tokenizer, prepared)`` with the model in eval mode and the tokenizer padding on the left."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Return ``(model, tokenizer, prepared)``: the target prepared if needed, then loaded."""
     prepared = prepare_target(config, log)
+    return load_model(prepared, config.dtype), load_tokenizer(prepared), prepared
+
+
+def load_model(prepared: PreparedTarget, dtype: str):
+    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, dtype)).eval()
+
+
+def load_tokenizer(prepared: PreparedTarget):
+    """The target's tokenizer, padding on the left, with a pad token (EOS if it has none)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(prepared.path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, config.dtype))
-    return model.eval(), tokenizer, prepared
+    return tokenizer
 
 
 def _build_once(name: str, build, log) -> PreparedTarget:
