@@ -26,23 +26,31 @@ from typing import Any, Iterator
 from . import __version__
 from .errors import DliteError
 
-STAGES = ("regen", "train-teacher", "warmup", "stable", "bench")
+STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "bench")
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary file path beside ``path`` that replaces ``path`` only if the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    tmp.chmod(0o644)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.chmod(tmp, 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
+    with atomic_path(path) as tmp:
+        with tmp.open("w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -106,6 +106,37 @@ def regen(
     )
 
 
+def _train(stage: str, target: str, run_dir: Path | None, set_: list[str] | None, force: bool) -> None:
+    from .train import run_stage
+
+    config = _load(target, set_)
+    run_stage(config, _run_dir(config, run_dir), stage, force=force, log=log)
+
+
+@app.command("train-teacher")
+def train_teacher(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None, set_: SetOption = None, force: ForceOption = False) -> None:
+    """Stage 0: train the history-aware teacher (full draft history, token CE)."""
+    _train("train-teacher", target, run_dir, set_, force)
+
+
+@app.command()
+def warmup(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None, set_: SetOption = None, force: ForceOption = False) -> None:
+    """Stage 1: distil the frozen teacher into the history-free DLite drafter (forward KL)."""
+    _train("warmup", target, run_dir, set_, force)
+
+
+@app.command()
+def stable(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    force: ForceOption = False,
+    from_scratch: Annotated[bool, typer.Option("--from-scratch", help="Single-stage baseline: skip teacher and warmup (Figure 5).")] = False,
+) -> None:
+    """Stage 2: train DLite against the target (λ_CE·CE + λ_TV·TV); its export is the drafter to serve."""
+    _train("stable-scratch" if from_scratch else "stable", target, run_dir, set_, force)
+
+
 @app.command()
 def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing."""

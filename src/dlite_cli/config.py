@@ -120,8 +120,8 @@ class TrainConfig:
     lr: float = positive(4e-4)
     weight_decay: float = non_negative(0.0)
     grad_clip: float = positive(1.0)
-    global_batch: int = positive(32)
-    micro_batch: int = positive(32)
+    global_batch: int = positive(32)  # sequences per optimizer step, over all processes
+    micro_batch: int = positive(4)  # sequences per forward pass of one process (the rest is accumulated)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_ratio: float = fraction(0.04)
     teacher_epochs: int = positive(8)
@@ -133,6 +133,10 @@ class TrainConfig:
     max_length: int = positive(4096)
     anchors_per_sample: int = positive(512)
     features: Literal["online", "cached"] = "online"
+    target_top_k: int = positive(32)  # p^T kept as its top-k (the TV loss is exact for that truncation)
+    target_batch: int = positive(8)  # sequences per no-grad target pass
+    eval_samples: int = positive(32)  # regenerated sequences held out for the simulated tau
+    checkpoint_every: int = positive(50)  # optimizer steps between checkpoints (and simulated-tau evaluations)
     seed: int = 0
 
 

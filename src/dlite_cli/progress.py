@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
@@ -19,7 +20,8 @@ class Bar:
 
 
 @contextmanager
-def progress_bar(description: str, total: int, completed: int = 0) -> Iterator[Bar]:
+def progress_bar(description: str, total: int, completed: int = 0, enabled: bool = True) -> Iterator[Bar]:
+    """A bar on stderr; ``enabled=False`` (e.g. on non-main processes) shows nothing."""
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -29,5 +31,5 @@ def progress_bar(description: str, total: int, completed: int = 0) -> Iterator[B
         TextColumn("eta"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, transient=False) as progress:
+    with Progress(*columns, console=Console(stderr=True), disable=not enabled) as progress:
         yield Bar(progress, progress.add_task(description, total=total, completed=completed))

@@ -1,0 +1,174 @@
+"""Training data from the frozen target: features at the S selected layers and sparse target distributions.
+
+For a regenerated sequence x_0..x_{T−1} (prompt then response) one no-grad target
+pass gives, per position t:
+
+    features   (T, S, H)  outputs of the S selected decoder layers (forward hooks, nothing else kept)
+    top_probs  (T, k)     the k largest probabilities of p^T(· | x_≤t), the target's next-token distribution
+    top_ids    (T, k)     their token ids
+
+An anchor a (a response token) then yields: context = features[a−1] (the pivot),
+the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.
+
+Two modes (``train.features``): ``cached`` runs the target once over every
+sequence and stores the result in ``<run>/features/`` (half precision), reused by
+all stages and epochs — the CPU mode; ``online`` runs the target inside the
+training loop — the paper-scale mode, where stored features would take tens of TB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .artifacts import Stage, atomic_path
+from .config import Config, config_hash
+from .errors import DliteError
+from .progress import progress_bar
+from .regen import iter_records
+
+SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
+
+
+@dataclass
+class Sequence:
+    """One regenerated sequence and what the target computed over it."""
+
+    input_ids: torch.Tensor  # (T,) long
+    prompt_len: int
+    features: torch.Tensor  # (T, S, H)
+    top_probs: torch.Tensor  # (T, k)
+    top_ids: torch.Tensor  # (T, k) int32
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of the target's decoder layers ``layer_ids`` during one pass."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.layer_ids = layer_ids
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = model.model.layers
+        self.handles = [layers[i].register_forward_hook(self._keep(i)) for i in layer_ids]
+
+    def _keep(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def stacked(self) -> torch.Tensor:
+        """(B, T, S, H) in layer-id order; clears what was kept."""
+        stacked = torch.stack([self.outputs[i] for i in self.layer_ids], dim=2)
+        self.outputs.clear()
+        return stacked
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def target_pass(model, capture: LayerCapture, sequences: list[tuple[list[int], int]], top_k: int) -> list[Sequence]:
+    """Run the target over ``(input_ids, prompt_len)`` sequences (one right-padded batch)."""
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (ids, _) in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, : len(ids)] = 1
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+    features = capture.stacked()
+    out = []
+    for row, (ids, prompt_len) in enumerate(sequences):
+        length = len(ids)
+        probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
+        out.append(Sequence(input_ids[row, :length], prompt_len, features[row, :length].float().cpu(), probs.cpu(), top.int().cpu()))
+    return out
+
+
+def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval): the ``eval_samples`` records with the smallest id hash are held out for simulated τ."""
+    ranked = sorted(records, key=lambda r: hashlib.sha1(f"eval:{r['id']}".encode()).hexdigest())
+    held = {r["id"] for r in ranked[:eval_samples]}
+    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
+
+
+class FeatureCache:
+    """``<run>/features/``: shards of Sequences in half precision, written once, read by every stage."""
+
+    def __init__(self, run_dir: Path):
+        self.stage = Stage(run_dir, "features")
+
+    def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log) -> None:
+        """Compute missing shards; resumable at shard granularity."""
+        train = config.train
+        digest = config_hash(config.target, {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
+        if not self.stage.begin(digest, {"layers": layer_ids, "top_k": train.target_top_k}, inputs, force):
+            return
+        shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]
+        done = sum(len(s) for i, s in enumerate(shards) if self._shard_path(i).exists())
+        capture = LayerCapture(target_model, layer_ids)
+        try:
+            with progress_bar("target features", total=len(records), completed=done) as bar:
+                for index, shard in enumerate(shards):
+                    if self._shard_path(index).exists():
+                        continue
+                    sequences = []
+                    for start in range(0, len(shard), train.target_batch):
+                        part = shard[start : start + train.target_batch]
+                        sequences += target_pass(target_model, capture, [(r["input_ids"], r["prompt_len"]) for r in part], train.target_top_k)
+                    self._write_shard(index, sequences)
+                    done += len(shard)
+                    bar.update(advance=len(shard))
+                    self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
+        finally:
+            capture.remove()
+        tokens = sum(len(r["input_ids"]) for r in records)
+        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards)})
+        log(f"cached target features for {len(records)} sequences ({tokens} tokens) in {self.stage.dir}")
+
+    def _shard_path(self, index: int) -> Path:
+        return self.stage.dir / f"{index:05d}.safetensors"
+
+    def _write_shard(self, index: int, sequences: list[Sequence]) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {
+            "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
+            "features": torch.cat([s.features for s in sequences]).half(),
+            "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
+            "top_ids": torch.cat([s.top_ids for s in sequences]),
+            "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
+            "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
+        }
+        with atomic_path(self._shard_path(index)) as tmp:
+            save_file(tensors, tmp)
+
+    def load(self) -> list[Sequence]:
+        from safetensors.torch import load_file
+
+        manifest = self.stage.manifest()
+        if manifest is None or manifest["status"] != "done":
+            raise DliteError(f"the target feature cache in {self.stage.dir} is incomplete: run the training stage again to finish it")
+        sequences = []
+        for path in sorted(self.stage.dir.glob("*.safetensors")):
+            shard = load_file(path)
+            starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
+            for start, length, prompt_len in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist()):
+                end = start + length
+                sequences.append(
+                    Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end], shard["top_ids"][start:end])
+                )
+        return sequences
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    records = list(iter_records(run_dir))
+    if not records:
+        raise DliteError(f"the regen stage in {run_dir} has no records to train on")
+    return records
+

@@ -1,0 +1,65 @@
+"""Training losses over draft positions (paper App. A.1), each weighted by w_i = exp(−(i−1)/γ).
+
+Shapes: B anchors, K draft positions, V vocabulary.  ``valid`` (B, K) marks
+positions that have a label (an anchor near the end of a sequence has fewer
+than K).  Every loss is Σ_i w_i · loss_i summed over positions and averaged over
+anchors.  The target distribution p^T is stored sparsely as its top-k
+(probabilities and ids): the TV term is then exact for the truncated p^T, and
+differs from the full one by at most the dropped mass 1 − Σ top-k (which
+:func:`dropped_mass` reports).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(k: int, gamma: float) -> torch.Tensor:
+    """w_i = exp(−(i−1)/γ), i = 1..K → (K,)."""
+    return torch.exp(-torch.arange(k, dtype=torch.float32) / gamma)
+
+
+def _weighted_mean(per_position: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """per_position (B, K) → Σ_i w_i · loss_i over valid positions, averaged over anchors."""
+    return (per_position * valid * weights.to(per_position.device)).sum(-1).mean()
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits (B, K, V), labels (B, K) → weighted CE."""
+    per_position = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0), reduction="none")
+    return _weighted_mean(per_position.view(labels.shape), valid, weights)
+
+
+def forward_kl(teacher_logits: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """KL(p^H ‖ q) with p^H = softmax(teacher_logits), q = softmax(logits); both (B, K, V)."""
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return _weighted_mean(per_position, valid, weights)
+
+
+def total_variation(
+    logits: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """‖p^T − q‖₁ with p^T given by its top-k: target_probs, target_ids (B, K, k); logits (B, K, V).
+
+    Outside the top-k p^T is taken as 0, so the term there is the mass q puts outside it.
+    """
+    q = F.softmax(logits.float(), dim=-1)
+    q_top = q.gather(-1, target_ids.long())
+    inside = (target_probs.float() - q_top).abs().sum(-1)
+    outside = (1 - q_top.sum(-1)).clamp(min=0)
+    return _weighted_mean(inside + outside, valid, weights)
+
+
+def stable_loss(logits, labels, target_probs, target_ids, valid, weights, lambda_ce: float, lambda_tv: float):
+    """Stage 2: λ_CE · CE(q, y) + λ_TV · ‖p^T − q‖₁."""
+    ce = cross_entropy(logits, labels, valid, weights)
+    tv = total_variation(logits, target_probs, target_ids, valid, weights)
+    return lambda_ce * ce + lambda_tv * tv
+
+
+def dropped_mass(target_probs: torch.Tensor) -> torch.Tensor:
+    """1 − Σ top-k p^T per position: the bound on how far the sparse TV is from the full one."""
+    return 1 - target_probs.float().sum(-1)

@@ -1,0 +1,326 @@
+"""The DLite drafter: one class for DLite (W = 0), sliding-window drafters and the history-aware teacher.
+
+One draft round (DESIGN.md §1), for a batch of B anchors, K draft tokens, S target layers, hidden H:
+
+    context   (B, S, H)  target hidden states at the pivot (the position before the anchor), from S layers
+      → + depth embedding, RMSNorm → S context slots ("sequence" composition)
+        or one slot RMSNorm(W [h_1; …; h_S]) ("feature" composition, the ablation)
+    history   (B, T, S·H) per-position target features of earlier tokens (W ≠ 0 only)
+      → RMSNorm(W_fuse ·) → T more context slots, masked to the last W positions before the pivot
+    queries   (B, 1+K, H) the anchor's embedding (the target's frozen table, passed in) + K placeholders
+      → N decoder layers of the target's family: queries attend bidirectionally to each other and to
+        the context slots, which supply keys/values at every layer through that layer's projections.
+        Positions are local: pivot −1, anchor 0, placeholders 1..K, history t − anchor.
+      → final RMSNorm → h_1..h_K (B, K, H)
+    head      low-rank gated RNN over the K positions (R = head_rank):
+                s_i = g ⊙ s_{i−1} + (1 − g) ⊙ tanh(c),  [g, c] = W_g [s_{i−1}; E_R(x_{i−1})]
+                u_i = W_u [s_i; h_i],  logits_i = W_V u_i            → (B, K, V)
+              without the sequential head ("pure parallel" ablation) s stays 0.
+
+No parameter depends on the position in the conversation, so the cost of a W = 0 round is the same
+at 500 or 50 000 tokens of context.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DliteError
+
+FULL_HISTORY = -1  # history_window value of the history-aware teacher: every earlier position
+SUPPORTED_FAMILIES = ("llama", "qwen3")
+
+
+def select_layers(num_layers: int, count: int) -> list[int]:
+    """``count`` target layer ids: the first, the last and evenly spaced ones between (0-based)."""
+    if not 2 <= count <= num_layers:
+        raise DliteError(f"drafter.num_target_layers must be between 2 and the target's {num_layers} layers, got {count}")
+    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+
+
+@dataclass
+class DrafterSpec:
+    """Everything needed to rebuild a drafter; saved as the checkpoint's ``config.json``."""
+
+    model_type: str  # the target's family: llama | qwen3
+    hidden_size: int
+    vocab_size: int
+    target_num_layers: int
+    target_layer_ids: list[int]  # S ids; id k is the output of the target's decoder layer k
+    draft_tokens: int  # K
+    num_layers: int  # N
+    head_rank: int  # R
+    sequential_head: bool
+    composition: str  # sequence | feature
+    history_window: int  # 0 = DLite, W > 0 = sliding window, FULL_HISTORY = teacher
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+
+    @classmethod
+    def for_target(cls, target_config, drafter, history_window: int) -> "DrafterSpec":
+        """Build from the target's Hugging Face config and the ``drafter`` config section."""
+        if target_config.model_type not in SUPPORTED_FAMILIES:
+            raise DliteError(
+                f"target family {target_config.model_type!r} is not supported: expected one of {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        heads = target_config.num_attention_heads
+        return cls(
+            model_type=target_config.model_type,
+            hidden_size=target_config.hidden_size,
+            vocab_size=target_config.vocab_size,
+            target_num_layers=target_config.num_hidden_layers,
+            target_layer_ids=select_layers(target_config.num_hidden_layers, drafter.num_target_layers),
+            draft_tokens=drafter.draft_tokens,
+            num_layers=drafter.num_layers,
+            head_rank=drafter.head_rank,
+            sequential_head=drafter.sequential_head,
+            composition=drafter.composition,
+            history_window=history_window,
+            num_heads=heads,
+            num_kv_heads=getattr(target_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+            intermediate_size=target_config.intermediate_size,
+            rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        )
+
+    def check_fits(self, target_config, where: str) -> None:
+        """Refuse, in one sentence, a drafter that was not built for this target."""
+        expected = {
+            "model_type": target_config.model_type,
+            "hidden_size": target_config.hidden_size,
+            "vocab_size": target_config.vocab_size,
+            "target_num_layers": target_config.num_hidden_layers,
+        }
+        for key, value in expected.items():
+            if getattr(self, key) != value:
+                raise DliteError(f"drafter {where} does not fit the target: its {key} is {getattr(self, key)}, the target's is {value}")
+        if not all(0 <= i < target_config.num_hidden_layers for i in self.target_layer_ids):
+            raise DliteError(f"drafter {where} reads target layers {self.target_layer_ids}, beyond the target's {target_config.num_hidden_layers}")
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of rotary embeddings for ``positions`` (..., L) → (..., L, head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, L, d); cos/sin (B, L, d)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Queries from the block; keys/values from [context slots; block] (grouped-query, as the target)."""
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        d, h, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
+        self.qk_norm = spec.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
+
+    def forward(self, x, context, rope_q, rope_kv, mask):
+        """x (B, Q, H) queries; context: tensors (B or 1, C_i, H) of key/value slots, a 1 being shared
+        by every row; mask (B, 1, 1, ΣC_i+Q) bool or None → (B, Q, H)."""
+        B, Q, _ = x.shape
+        k = torch.cat([self.k_proj(c).expand(B, -1, -1) for c in context] + [self.k_proj(x)], dim=1)
+        v = torch.cat([self.v_proj(c).expand(B, -1, -1) for c in context] + [self.v_proj(x)], dim=1)
+        q = self.q_proj(x).view(B, Q, self.heads, self.head_dim)
+        k = k.view(B, k.shape[1], self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope_q)
+        k = apply_rope(k.transpose(1, 2), *rope_kv)
+        v = v.view(B, v.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer of the target's family (Llama; Qwen3 adds the q/k norms)."""
+
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, context, rope_q, rope_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Head(nn.Module):
+    """Low-rank output head: the gated RNN over draft positions, or (recurrent=False) the parallel ablation."""
+
+    def __init__(self, hidden_size: int, rank: int, vocab_size: int, recurrent: bool):
+        super().__init__()
+        self.rank, self.recurrent = rank, recurrent
+        if recurrent:
+            self.token_embedding = nn.Embedding(vocab_size, rank)  # E_R
+            self.gate = nn.Linear(2 * rank, 2 * rank)  # [s; E_R(x)] → [g, c]
+        self.latent = nn.Linear(rank + hidden_size, rank)  # [s; h] → u
+        self.vocab = nn.Linear(rank, vocab_size, bias=False)  # W_V, the one vocabulary projection
+
+    def step(self, state, h, previous):
+        """One position: state (B, R), h (B, H), previous tokens (B,) → (new state, logits (B, V))."""
+        if self.recurrent:
+            g, c = self.gate(torch.cat([state, self.token_embedding(previous)], dim=-1)).chunk(2, dim=-1)
+            g = torch.sigmoid(g)
+            state = g * state + (1 - g) * torch.tanh(c)
+        return state, self.vocab(self.latent(torch.cat([state, h], dim=-1)))
+
+    def forward(self, h, previous):
+        """Teacher-forced: h (B, K, H), previous (B, K) = [anchor, y_1..y_{K−1}] → logits (B, K, V)."""
+        state = h.new_zeros(h.shape[0], self.rank)
+        if not self.recurrent:
+            return self.vocab(self.latent(torch.cat([state[:, None].expand(-1, h.shape[1], -1), h], dim=-1)))
+        logits = []
+        for i in range(h.shape[1]):
+            state, step_logits = self.step(state, h[:, i], previous[:, i])
+            logits.append(step_logits)
+        return torch.stack(logits, dim=1)
+
+    @torch.no_grad()
+    def greedy(self, h, anchor):
+        """Free-running argmax: h (B, K, H), anchor (B,) → draft tokens (B, K), logits (B, K, V)."""
+        state, previous = h.new_zeros(h.shape[0], self.rank), anchor
+        tokens, logits = [], []
+        for i in range(h.shape[1]):
+            state, step_logits = self.step(state, h[:, i], previous)
+            previous = step_logits.argmax(-1)
+            tokens.append(previous)
+            logits.append(step_logits)
+        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+class Drafter(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.spec = spec
+        H, S, K = spec.hidden_size, len(spec.target_layer_ids), spec.draft_tokens
+        self.depth_embedding = nn.Embedding(S, H)
+        if spec.composition == "feature":
+            self.context_fuse = nn.Linear(S * H, H, bias=False)
+        self.context_norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
+        if spec.history_window != 0:
+            self.history_fuse = nn.Linear(S * H, H, bias=False)
+            self.history_norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
+        self.placeholders = nn.Parameter(torch.randn(K, H) * 0.02)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
+        self.head = Head(H, spec.head_rank, spec.vocab_size, recurrent=spec.sequential_head)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def context_slots(self, context: torch.Tensor) -> torch.Tensor:
+        """context (B, S, H) target states at the pivot → (B, S, H) slots, or (B, 1, H) feature-wise."""
+        if self.spec.composition == "feature":
+            z = context + self.depth_embedding.weight
+            return self.context_norm(self.context_fuse(z.flatten(1)))[:, None]
+        return self.context_norm(context + self.depth_embedding.weight)
+
+    def hidden(self, context, anchor_embeds, history=None, history_positions=None, history_mask=None):
+        """The backbone's K outputs.
+
+        context (B, S, H) target states at each anchor's pivot; anchor_embeds (B, H).
+        W ≠ 0 only: history (1, T, S·H) per-position target features of the one sequence the B
+        anchors come from, history_positions (B, T) their positions relative to each anchor,
+        history_mask (B, T) True where anchor b may attend to position t.  → h (B, K, H).
+        """
+        B, K = context.shape[0], self.spec.draft_tokens
+        device = context.device
+        slots = self.context_slots(context)
+        query_positions = torch.arange(K + 1, device=device).expand(B, -1)
+        key_positions = [torch.full(slots.shape[:2], -1, device=device), query_positions]  # pivot at −1
+        kv_sources, mask = [slots], None
+        if history is not None:
+            kv_sources.append(self.history_norm(self.history_fuse(history)))  # (1, T, H): once for all rows
+            key_positions.insert(1, history_positions)
+            visible = [torch.ones(B, slots.shape[1], dtype=torch.bool, device=device), history_mask,
+                       torch.ones(B, K + 1, dtype=torch.bool, device=device)]
+            mask = torch.cat(visible, dim=1)[:, None, None, :]
+        x = torch.cat([anchor_embeds[:, None], self.placeholders.expand(B, -1, -1)], dim=1)
+        rope_q = rope(query_positions, self.spec.head_dim, self.spec.rope_theta)
+        rope_kv = rope(torch.cat(key_positions, dim=1), self.spec.head_dim, self.spec.rope_theta)
+        for layer in self.layers:
+            x = layer(x, kv_sources, rope_q, rope_kv, mask)
+        return self.norm(x[:, 1:])
+
+    def forward(self, context, anchor_embeds, previous, **history):
+        """Teacher-forced logits (B, K, V); previous (B, K) = [anchor, y_1..y_{K−1}]."""
+        return self.head(self.hidden(context, anchor_embeds, **history), previous)
+
+    @torch.no_grad()
+    def draft(self, context, anchor_embeds, anchor, **history):
+        """Greedy draft block: → tokens (B, K), logits (B, K, V)."""
+        return self.head.greedy(self.hidden(context, anchor_embeds, **history), anchor)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, directory: Path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (the target's embeddings are not included)."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps({"architectures": ["DLiteDrafter"], **asdict(self.spec)}, indent=2))
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, directory / "model.safetensors")
+
+    @classmethod
+    def load(cls, directory: Path, target_config=None) -> "Drafter":
+        from safetensors.torch import load_file
+
+        config_path = Path(directory) / "config.json"
+        if not config_path.is_file():
+            raise DliteError(f"{directory} is not a drafter checkpoint: it has no config.json")
+        raw = json.loads(config_path.read_text())
+        names = {f.name for f in fields(DrafterSpec)}
+        missing = names - set(raw)
+        if missing:
+            raise DliteError(f"{config_path} is not a dlite drafter config: it lacks {', '.join(sorted(missing))}")
+        spec = DrafterSpec(**{k: raw[k] for k in names})
+        if target_config is not None:
+            spec.check_fits(target_config, str(directory))
+        model = cls(spec)
+        model.load_state_dict(load_file(Path(directory) / "model.safetensors"))
+        return model

@@ -1,0 +1,407 @@
+"""The three training stages (paper App. A.1) and the single-stage ablation, in one loop.
+
+    train-teacher   W = full (history-aware teacher), CE against the regenerated tokens
+    warmup          W = 0, forward KL to the frozen teacher (initialised from the teacher's shared weights)
+    stable          W = 0, λ_CE·CE + λ_TV·TV against the target (initialised from warmup)
+    stable-scratch  the same loss from random weights, for warmup + stable epochs (Figure 5's baseline)
+
+A global batch is ``train.global_batch`` sequences, each giving up to
+``train.anchors_per_sample`` anchors (resampled every epoch, seeded).  Under
+``accelerate launch`` every process takes its share of each global batch and
+gradients are accumulated to the same global batch.  Checkpoints hold weights,
+optimiser, scheduler and data position; a killed stage resumes from the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .artifacts import Stage, atomic_directory, atomic_write_json
+from .config import Config, TrainConfig, config_hash
+from .errors import DliteError
+from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
+from .losses import cross_entropy, forward_kl, position_weights, stable_loss
+from .model import FULL_HISTORY, Drafter, DrafterSpec
+from .progress import progress_bar
+from .targets import load_model, prepare_target
+
+
+@dataclass
+class StagePlan:
+    name: str
+    history_window: int
+    loss: str  # ce | kl | stable
+    epochs: int
+    init_from: str | None  # stage whose export initialises the drafter (warmup: also the frozen teacher)
+
+
+def stage_plan(name: str, train: TrainConfig) -> StagePlan:
+    plans = {
+        "train-teacher": StagePlan("train-teacher", FULL_HISTORY, "ce", train.teacher_epochs, None),
+        "warmup": StagePlan("warmup", 0, "kl", train.warmup_epochs, "train-teacher"),
+        "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup"),
+        "stable-scratch": StagePlan("stable-scratch", 0, "stable", train.warmup_epochs + train.stable_epochs, None),
+    }
+    return plans[name]
+
+
+# ---------------------------------------------------------------- anchors and batches
+
+
+def valid_anchors(sequence: Sequence) -> torch.Tensor:
+    """Response positions a with a pivot a−1 and at least one label a+1 → (n,)."""
+    return torch.arange(max(sequence.prompt_len, 1), len(sequence.input_ids) - 1)
+
+
+def sample_anchors(sequence: Sequence, count: int, seed: int) -> torch.Tensor:
+    """``count`` anchors (or all, if fewer), chosen with a generator seeded by ``seed``, sorted."""
+    candidates = valid_anchors(sequence)
+    if len(candidates) <= count:
+        return candidates
+    generator = torch.Generator().manual_seed(seed)
+    return candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
+
+
+@dataclass
+class AnchorBatch:
+    """B anchors of one sequence (W ≠ 0) or of several (W = 0)."""
+
+    context: torch.Tensor  # (B, S, H) target states at the pivots
+    anchor: torch.Tensor  # (B,)
+    labels: torch.Tensor  # (B, K) regenerated tokens x_{a+1..a+K}
+    valid: torch.Tensor  # (B, K) bool: the label exists
+    top_probs: torch.Tensor  # (B, K, k) p^T_i = p^T(· | x_≤a+i−1)
+    top_ids: torch.Tensor  # (B, K, k)
+    history: dict  # Drafter.hidden's history arguments, empty for W = 0
+
+    def to(self, device) -> "AnchorBatch":
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "history"}
+        return AnchorBatch(**moved, history={k: v.to(device) for k, v in self.history.items()})
+
+    @property
+    def previous(self) -> torch.Tensor:
+        """Teacher-forced inputs of the sequential head: [anchor, y_1..y_{K−1}] (B, K)."""
+        return torch.cat([self.anchor[:, None], self.labels[:, :-1].clamp(min=0)], dim=1)
+
+    @property
+    def target_greedy(self) -> torch.Tensor:
+        """The target's own argmax at each draft position (B, K): what greedy verification accepts."""
+        return self.top_ids[..., 0].long()
+
+
+def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int) -> AnchorBatch:
+    length = len(sequence.input_ids)
+    offsets = torch.arange(k)
+    label_positions = anchors[:, None] + 1 + offsets  # (B, K)
+    valid = label_positions < length
+    labels = torch.where(valid, sequence.input_ids[label_positions.clamp(max=length - 1)], -100)
+    p_positions = (anchors[:, None] + offsets).clamp(max=length - 1)
+    history = {}
+    if window != 0:
+        span = int(anchors.max()) - 1  # positions 0 .. a−2 lie before every pivot
+        positions = torch.arange(span)
+        relative = positions[None] - anchors[:, None]  # (B, T), negative
+        visible = relative <= -2
+        if window != FULL_HISTORY:
+            visible &= relative >= -1 - window
+        history = {
+            "history": sequence.features[:span].float().flatten(1)[None],
+            "history_positions": relative,
+            "history_mask": visible,
+        }
+    return AnchorBatch(
+        context=sequence.features[anchors - 1].float(),
+        anchor=sequence.input_ids[anchors],
+        labels=labels,
+        valid=valid,
+        top_probs=sequence.top_probs[p_positions].float(),
+        top_ids=sequence.top_ids[p_positions],
+        history=history,
+    )
+
+
+def concat_batches(batches: list[AnchorBatch]) -> AnchorBatch:
+    """W = 0 anchors are independent: several sequences' anchors form one batch."""
+    fields = ("context", "anchor", "labels", "valid", "top_probs", "top_ids")
+    return AnchorBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields}, history={})
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    def __init__(self, config: Config, run_dir: Path, stage_name: str, log=print):
+        from accelerate import Accelerator
+
+        self.config, self.train, self.run_dir, self.log = config, config.train, Path(run_dir), log
+        self.plan = stage_plan(stage_name, config.train)
+        self.stage = Stage(self.run_dir, stage_name)
+        self.accelerator = Accelerator()
+        self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_step = self.train.micro_batch * self.world
+        if self.train.global_batch % per_step:
+            raise DliteError(
+                f"train.global_batch ({self.train.global_batch}) must be a multiple of train.micro_batch × processes ({per_step})"
+            )
+        self.accumulation = self.train.global_batch // per_step
+        self.weights = position_weights(config.drafter.draft_tokens, self.train.gamma)
+
+    # ----- inputs
+
+    def _upstream(self, name: str) -> dict:
+        manifest = Stage(self.run_dir, name).manifest()
+        if manifest is None or manifest["status"] != "done":
+            raise DliteError(f"stage {self.plan.name} needs a finished `{name}` stage in {self.run_dir}: run `dlite {name}` first")
+        return manifest
+
+    def run(self, force: bool = False) -> dict:
+        regen = self._upstream("regen")
+        init = self._upstream(self.plan.init_from) if self.plan.init_from else None
+        target = prepare_target(self.config.target, self.log)
+        self.target_model = load_model(target, self.config.target.dtype).requires_grad_(False)
+        self.spec = DrafterSpec.for_target(self.target_model.config, self.config.drafter, self.plan.history_window)
+        inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
+        recorded = {"train": dataclasses.asdict(self.train), "drafter": dataclasses.asdict(self.config.drafter), "plan": dataclasses.asdict(self.plan)}
+        digest = config_hash(recorded, inputs)
+        if self.accelerator.is_main_process:
+            fresh = self.stage.begin(digest, recorded, inputs, force)
+        else:
+            fresh = True
+        fresh = self._agree(fresh)
+        if not fresh:
+            self.log(f"{self.plan.name} in {self.stage.dir} is already done with this config; nothing to do")
+            return self.stage.manifest()["summary"]
+        train_seqs, eval_seqs = self._sequences(target, inputs, force)
+        return self._fit(train_seqs, eval_seqs)
+
+    def _agree(self, flag: bool) -> bool:
+        """The main process's decision, shared with every process."""
+        value = torch.tensor([int(flag)])
+        if self.world > 1:
+            torch.distributed.broadcast(value, src=0)
+        return bool(value.item())
+
+    def _sequences(self, target, inputs: dict, force: bool) -> tuple[list[Sequence] | list[dict], list[Sequence] | list[dict]]:
+        records = load_records(self.run_dir)
+        train_records, eval_records = split_records(records, self.train.eval_samples)
+        if len(train_records) < self.train.global_batch:
+            raise DliteError(f"only {len(train_records)} training sequences, fewer than train.global_batch={self.train.global_batch}")
+        if self.train.features == "online":
+            return train_records, eval_records
+        cache = FeatureCache(self.run_dir)
+        if self.accelerator.is_main_process:
+            cache.build(self.config, records, self.target_model, self.spec.target_layer_ids, {"regen": inputs["regen"], "target": inputs["target"]}, force, self.log)
+        self.accelerator.wait_for_everyone()
+        by_position = cache.load()
+        index = {r["id"]: i for i, r in enumerate(records)}
+        return [by_position[index[r["id"]]] for r in train_records], [by_position[index[r["id"]]] for r in eval_records]
+
+    def _materialise(self, items: list) -> list[Sequence]:
+        """Cached Sequences as they are; online records through the target now."""
+        if not items or isinstance(items[0], Sequence):
+            return items
+        capture = LayerCapture(self.target_model, self.spec.target_layer_ids)
+        try:
+            return target_pass(self.target_model, capture, [(r["input_ids"], r["prompt_len"]) for r in items], self.train.target_top_k)
+        finally:
+            capture.remove()
+
+    # ----- model
+
+    def _build(self) -> tuple[Drafter, Drafter | None]:
+        torch.manual_seed(self.train.seed)
+        drafter = Drafter(self.spec)
+        teacher = None
+        if self.plan.init_from:
+            upstream = Drafter.load(self.run_dir / self.plan.init_from / "drafter", self.target_model.config)
+            missing, unexpected = drafter.load_state_dict(upstream.state_dict(), strict=False)
+            if missing:
+                raise DliteError(f"the {self.plan.init_from} drafter lacks weights this stage needs: {', '.join(missing[:3])}")
+            if self.plan.loss == "kl":
+                teacher = upstream.requires_grad_(False).eval()
+        return drafter, teacher
+
+    # ----- the loop
+
+    def _epoch_batches(self, epoch: int, count: int) -> list[list[int]]:
+        """Global batches of sequence indices for an epoch (seeded shuffle; a last partial batch is dropped)."""
+        order = list(range(count))
+        random.Random(self.train.seed * 7919 + epoch).shuffle(order)
+        size = self.train.global_batch
+        return [order[i : i + size] for i in range(0, count - size + 1, size)]
+
+    def _anchor_seed(self, epoch: int, index: int) -> int:
+        return (self.train.seed * 1_000_003 + epoch * 100_003 + index) % 2**31
+
+    def _loss(self, drafter, teacher, sequences: list[Sequence], indices: list[int], epoch: int) -> torch.Tensor:
+        """Mean loss over the anchors of ``sequences`` (their indices seed the anchor choice)."""
+        # warmup's student has no history, but its teacher reads the full history of each anchor
+        window = teacher.spec.history_window if teacher is not None else self.spec.history_window
+        batches = [
+            anchor_batch(s, sample_anchors(s, self.train.anchors_per_sample, self._anchor_seed(epoch, i)), self.spec.draft_tokens, window)
+            for s, i in zip(sequences, indices)
+        ]
+        groups = batches if window != 0 else [concat_batches(batches)]
+        total = sum(len(b.anchor) for b in groups)
+        return sum(self._batch_loss(drafter, teacher, b) * (len(b.anchor) / total) for b in groups)
+
+    def _batch_loss(self, drafter, teacher, batch: AnchorBatch) -> torch.Tensor:
+        device = self.accelerator.device
+        batch = batch.to(device)
+        with torch.no_grad():
+            anchor_embeds = self.target_model.get_input_embeddings()(batch.anchor).float()
+        own_history = batch.history if self.spec.history_window != 0 else {}
+        logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
+        if self.plan.loss == "ce":
+            return cross_entropy(logits, batch.labels, batch.valid, self.weights)
+        if self.plan.loss == "kl":
+            with torch.no_grad():
+                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
+            return forward_kl(teacher_logits, logits, batch.valid, self.weights)
+        return stable_loss(
+            logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, self.weights, self.train.lambda_ce, self.train.lambda_tv
+        )
+
+    @torch.no_grad()
+    def evaluate(self, drafter: Drafter, sequences: list[Sequence]) -> dict:
+        """Held-out simulated τ: expected tokens committed per round if the target verified the
+        drafter's greedy block = 1 + the number of leading draft positions equal to the target's argmax."""
+        drafter.eval()
+        accepted = []
+        embed = self.target_model.get_input_embeddings()
+        device = self.accelerator.device
+        for i, sequence in enumerate(sequences):
+            anchors = sample_anchors(sequence, self.train.anchors_per_sample, seed=i)
+            batch = anchor_batch(sequence, anchors, self.spec.draft_tokens, self.spec.history_window).to(device)
+            greedy = batch.target_greedy
+            # feeding the target's tokens is exact: the drafter's own choices only matter while they agree
+            previous = torch.cat([batch.anchor[:, None], greedy[:, :-1]], dim=1)
+            logits = drafter(batch.context, embed(batch.anchor).float(), previous, **batch.history)
+            match = (logits.argmax(-1) == greedy) & batch.valid
+            accepted.append(match.long().cumprod(dim=1).float())
+        drafter.train()
+        run = torch.cat(accepted)
+        return {"tau": 1 + run.sum(1).mean().item(), "acceptance": [round(a, 4) for a in run.mean(0).tolist()], "anchors": len(run)}
+
+    # ----- the loop
+
+    def _fit(self, train_items: list, eval_items: list) -> dict:
+        drafter, teacher = self._build()
+        if teacher is not None:
+            teacher.to(self.accelerator.device)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
+        steps_per_epoch = len(self._epoch_batches(0, len(train_items)))
+        total_steps = steps_per_epoch * self.plan.epochs
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(total_steps))
+        drafter, optimizer = self.accelerator.prepare(drafter, optimizer)
+        step = self._resume(drafter, optimizer, scheduler)
+        eval_sequences = self._materialise(eval_items)
+        metrics = self.stage.dir / "metrics.jsonl"
+        main = self.accelerator.is_main_process
+        started = time.time()
+        with progress_bar(self.plan.name, total=total_steps, completed=step, enabled=main) as bar:
+            while step < total_steps:
+                epoch, in_epoch = divmod(step, steps_per_epoch)
+                global_batch = self._epoch_batches(epoch, len(train_items))[in_epoch]
+                mine = global_batch[self.rank :: self.world]
+                micro, step_loss = self.train.micro_batch, 0.0
+                for m in range(self.accumulation):
+                    indices = mine[m * micro : (m + 1) * micro]
+                    sequences = self._materialise([train_items[i] for i in indices])
+                    last = m == self.accumulation - 1
+                    with self.accelerator.no_sync(drafter) if not last else contextlib.nullcontext():
+                        loss = self._loss(drafter, teacher, sequences, indices, epoch) / self.accumulation
+                        self.accelerator.backward(loss)
+                    step_loss += loss.item()
+                grad_norm = self.accelerator.clip_grad_norm_(drafter.parameters(), self.train.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                if main:
+                    record = {"step": step, "epoch": epoch, "loss": round(step_loss, 5),
+                              "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 4),
+                              "elapsed_s": round(time.time() - started, 2)}
+                    _append(metrics, record)
+                    bar.update(advance=1, description=f"{self.plan.name} loss {record['loss']:.3f}")
+                if step % self.train.checkpoint_every == 0 or step == total_steps:
+                    self._checkpoint(drafter, optimizer, scheduler, step, eval_sequences, metrics, total_steps)
+        return self._export(drafter, eval_sequences, total_steps, time.time() - started)
+
+    def _schedule(self, total_steps: int):
+        warmup = max(1, math.ceil(self.train.warmup_ratio * total_steps))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if self.train.schedule == "constant":
+                return 1.0
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+        return factor
+
+    def _checkpoint(self, drafter, optimizer, scheduler, step, eval_sequences, metrics, total_steps) -> None:
+        if self.accelerator.is_main_process:
+            evaluation = self.evaluate(self.accelerator.unwrap_model(drafter), eval_sequences)
+            _append(metrics, {"step": step, "eval_tau": round(evaluation["tau"], 4), "eval_acceptance": evaluation["acceptance"]})
+            with atomic_directory(self.stage.dir / "checkpoint") as tmp:
+                torch.save(
+                    {
+                        "step": step,
+                        "drafter": self.accelerator.unwrap_model(drafter).state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "rng": torch.get_rng_state(),
+                        "python_rng": random.getstate(),
+                    },
+                    tmp / "state.pt",
+                )
+            self.stage.update(progress={"done": step, "total": total_steps, "unit": "steps"}, last_eval=evaluation)
+        self.accelerator.wait_for_everyone()
+
+    def _resume(self, drafter, optimizer, scheduler) -> int:
+        path = self.stage.dir / "checkpoint" / "state.pt"
+        if not path.exists():
+            return 0
+        state = torch.load(path, weights_only=False)
+        self.accelerator.unwrap_model(drafter).load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        random.setstate(state["python_rng"])
+        self.log(f"resuming {self.plan.name} from step {state['step']}")
+        return state["step"]
+
+    def _export(self, drafter, eval_sequences, total_steps: int, seconds: float) -> dict:
+        summary = {}
+        if self.accelerator.is_main_process:
+            model = self.accelerator.unwrap_model(drafter)
+            with atomic_directory(self.stage.dir / "drafter") as tmp:
+                model.save(tmp)
+            evaluation = self.evaluate(model, eval_sequences)
+            summary = {"steps": total_steps, "eval_tau": round(evaluation["tau"], 4), "eval_acceptance": evaluation["acceptance"],
+                       "eval_anchors": evaluation["anchors"], "parameters": sum(p.numel() for p in model.parameters()),
+                       "processes": self.world}
+            self.stage.finish(summary=summary)
+            self.log(f"{self.plan.name} done: held-out simulated tau {summary['eval_tau']:.3f} "
+                     f"(per-position acceptance {evaluation['acceptance']}); drafter in {self.stage.dir / 'drafter'}")
+        self.accelerator.wait_for_everyone()
+        return summary
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_stage(config: Config, run_dir: Path, stage_name: str, force: bool = False, log=print) -> dict:
+    return Trainer(config, run_dir, stage_name, log).run(force)
