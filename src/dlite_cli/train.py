@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import Stage, atomic_directory, atomic_write_json
+from .artifacts import Stage, atomic_directory, atomic_write_text
 from .config import Config, TrainConfig, config_hash
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
@@ -145,7 +145,7 @@ class Trainer:
         self.config, self.train, self.run_dir, self.log = config, config.train, Path(run_dir), log
         self.plan = stage_plan(stage_name, config.train)
         self.stage = Stage(self.run_dir, stage_name)
-        self.accelerator = Accelerator()
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
         if self.train.global_batch % per_step:
@@ -327,6 +327,7 @@ class Trainer:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                step_loss = self.accelerator.reduce(torch.tensor(step_loss, device=self.accelerator.device), "mean").item()
                 if main:
                     record = {"step": step, "epoch": epoch, "loss": round(step_loss, 5),
                               "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 4),
@@ -378,6 +379,10 @@ class Trainer:
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
+        metrics = self.stage.dir / "metrics.jsonl"
+        if self.accelerator.is_main_process and metrics.exists():  # drop what the killed run logged after the checkpoint
+            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+            atomic_write_text(metrics, "".join(line + "\n" for line in kept))
         self.log(f"resuming {self.plan.name} from step {state['step']}")
         return state["step"]
 

@@ -1,0 +1,110 @@
+import pytest
+import torch
+from transformers import AutoConfig
+
+from dlite_cli.config import DrafterConfig, MicroConfig, TargetConfig, load_config
+from dlite_cli.errors import DliteError
+from dlite_cli.features import LayerCapture, target_pass
+from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, select_layers
+from dlite_cli.targets import load_model, prepare_target
+from dlite_cli.train import anchor_batch, Trainer
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def target(cache_dir):
+    prepared = prepare_target(TargetConfig(model="micro"), log=lambda _: None)
+    return load_model(prepared, "float32")
+
+
+def make(target, window, **drafter):
+    spec = DrafterSpec.for_target(target.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16, **drafter), window)
+    torch.manual_seed(0)
+    return Drafter(spec)
+
+
+def sequence_of(target, ids, prompt_len=3):
+    capture = LayerCapture(target, select_layers(target.config.num_hidden_layers, 3))
+    try:
+        return target_pass(target, capture, [(ids, prompt_len)], top_k=8)[0]
+    finally:
+        capture.remove()
+
+
+def test_select_layers_keeps_first_and_last():
+    assert select_layers(36, 12)[0] == 0 and select_layers(36, 12)[-1] == 35 and len(select_layers(36, 12)) == 12
+    assert select_layers(30, 6) == [0, 6, 12, 17, 23, 29]
+    with pytest.raises(DliteError, match="between 2 and"):
+        select_layers(4, 5)
+
+
+@pytest.mark.parametrize("window", [0, 128, FULL_HISTORY])
+@pytest.mark.parametrize("options", [{}, {"composition": "feature"}, {"sequential_head": False}])
+def test_shapes(target, window, options):
+    drafter = make(target, window, **options)
+    sequence = sequence_of(target, list(range(10, 40)))
+    anchors = torch.tensor([5, 12, 28])
+    batch = anchor_batch(sequence, anchors, K, window)
+    embeds = target.get_input_embeddings()(batch.anchor)
+    logits = drafter(batch.context, embeds, batch.previous, **batch.history)
+    assert logits.shape == (3, K, target.config.vocab_size)
+    tokens, draft_logits = drafter.draft(batch.context, embeds, batch.anchor, **batch.history)
+    assert tokens.shape == (3, K) and torch.equal(tokens, draft_logits.argmax(-1))
+    assert batch.valid.tolist()[2] == [True, False, False, False]  # anchor 28 of 30 tokens has one label
+    assert ("history_fuse.weight" in drafter.state_dict()) == (window != 0)
+
+
+def test_w0_is_history_free_and_the_teacher_is_not(target):
+    """Replace every token before the pivot: W = 0 output is unchanged given the same pivot features."""
+    original = sequence_of(target, list(range(10, 40)))
+    changed = sequence_of(target, list(range(100, 120)) + list(range(30, 40)))
+    anchor = torch.tensor([25])
+    for name in ("features", "top_probs", "top_ids"):  # same pivot and future, different past
+        getattr(changed, name)[23:] = getattr(original, name)[23:]
+    assert not torch.equal(original.features[:23], changed.features[:23])
+    outputs = {}
+    for window in (0, FULL_HISTORY):
+        drafter = make(target, window)
+        for label, sequence in (("original", original), ("changed", changed)):
+            batch = anchor_batch(sequence, anchor, K, window)
+            embeds = target.get_input_embeddings()(batch.anchor)
+            outputs[window, label] = drafter(batch.context, embeds, batch.previous, **batch.history)
+    assert torch.equal(outputs[0, "original"], outputs[0, "changed"])
+    assert not torch.allclose(outputs[FULL_HISTORY, "original"], outputs[FULL_HISTORY, "changed"])
+
+
+def test_sliding_window_sees_only_the_last_w_positions(target):
+    sequence = sequence_of(target, list(range(10, 40)))
+    batch = anchor_batch(sequence, torch.tensor([20, 25]), K, window=3)
+    visible = batch.history["history_mask"]
+    assert visible[0].nonzero().flatten().tolist() == [16, 17, 18]  # pivot 19 is a slot; W = 3 before it
+    assert visible[1].nonzero().flatten().tolist() == [21, 22, 23]
+
+
+def test_target_parameters_receive_no_gradient(target, tmp_path):
+    config = load_config("micro")
+    trainer = Trainer(config, tmp_path, "stable")
+    trainer.target_model = target.requires_grad_(True)  # even a trainable target must stay untouched
+    drafter = make(target, 0)
+    trainer.spec = drafter.spec
+    sequence = sequence_of(target, list(range(10, 40)))
+    loss = trainer._batch_loss(drafter, None, anchor_batch(sequence, torch.tensor([5, 9, 20]), K, 0))
+    loss.backward()
+    assert all(p.grad is None for p in target.parameters())
+    assert all(p.grad is not None for p in drafter.parameters())
+    target.requires_grad_(False)
+
+
+def test_checkpoint_round_trip_and_fit_errors(target, tmp_path, cache_dir):
+    drafter = make(target, 0)
+    drafter.save(tmp_path / "d")
+    table = target.get_input_embeddings().weight.shape
+    assert all(v.shape != table for v in drafter.state_dict().values())  # the target's embedding table is not copied
+    loaded = Drafter.load(tmp_path / "d", target.config)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+    other = prepare_target(TargetConfig(model="micro", micro=MicroConfig(hidden_size=32)), log=lambda _: None)
+    with pytest.raises(DliteError, match="does not fit the target: its hidden_size is 64, the target's is 32"):
+        Drafter.load(tmp_path / "d", AutoConfig.from_pretrained(other.path))
+    with pytest.raises(DliteError, match="no config.json"):
+        Drafter.load(tmp_path, target.config)
