@@ -108,3 +108,14 @@ def test_checkpoint_round_trip_and_fit_errors(target, tmp_path, cache_dir):
         Drafter.load(tmp_path / "d", AutoConfig.from_pretrained(other.path))
     with pytest.raises(DliteError, match="no config.json"):
         Drafter.load(tmp_path, target.config)
+
+
+def test_svd_head_init_reproduces_the_target_lm_head_at_full_rank(target):
+    """With R = H the factorised head starts as exactly the target's LM head on h."""
+    spec = DrafterSpec.for_target(target.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=64), 0)
+    drafter = Drafter(spec)
+    lm_head = target.get_output_embeddings().weight
+    drafter.init_head_from(lm_head)
+    h = torch.randn(2, K, 64)
+    logits = drafter.head(h, torch.zeros(2, K, dtype=torch.long))
+    assert torch.allclose(logits[:, 0], h[:, 0] @ lm_head.T, atol=1e-4)  # position 1: the RNN state is still 0

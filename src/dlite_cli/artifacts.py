@@ -168,15 +168,14 @@ def stage_rows(run_dir: Path) -> list[dict]:
     for name in STAGES:
         stage = Stage(run_dir, name)
         manifest = stage.manifest() if stage.manifest_path.exists() else None
-        row = {"stage": name, "status": "missing", "progress": "", "size": dir_size(stage.dir), "produced_by": ""}
+        row = {"stage": name, "status": "missing", "progress": "", "size": dir_size(stage.dir), "seconds": None, "produced_by": ""}
         if manifest is not None:
             row["status"] = "done" if manifest["status"] == "done" else "partial"
             progress = manifest.get("progress")
             if progress:
                 row["progress"] = f"{progress['done']}/{progress['total']} {progress['unit']}"
-            row["produced_by"] = (
-                f"config {manifest['config_hash']}, target {manifest['inputs'].get('target', '?')}, "
-                f"{manifest.get('finished') or manifest['started']}, {manifest['elapsed_s']:.0f} s"
-            )
+            when = (manifest.get("finished") or manifest["started"])[:16].replace("T", " ")
+            row["produced_by"] = f"config {manifest['config_hash'][:8]} target {manifest['inputs'].get('target', '?')[:8]} {when}"
+            row["seconds"] = manifest["elapsed_s"]
         rows.append(row)
     return rows

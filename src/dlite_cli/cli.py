@@ -144,14 +144,23 @@ def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) 
 
     directory = run_dir if run_dir is not None else Path("runs") / Path(target).stem
     table = Table(title=f"dlite run {directory}")
-    for column in ("stage", "status", "progress", "size", "produced by"):
-        table.add_column(column)
+    for column in ("stage", "status", "progress", "size", "time", "produced by"):
+        table.add_column(column, no_wrap=column != "produced by")
     colours = {"done": "green", "partial": "yellow", "missing": "dim"}
     for row in stage_rows(directory):
         status_text = f"[{colours[row['status']]}]{row['status']}[/]"
-        size = f"{row['size'] / 1e6:.1f} MB" if row["size"] else ""
-        table.add_row(row["stage"], status_text, row["progress"], size, row["produced_by"])
+        size = _human_bytes(row["size"]) if row["size"] else ""
+        seconds = f"{row['seconds']:.0f} s" if row["seconds"] is not None else ""
+        table.add_row(row["stage"], status_text, row["progress"], size, seconds, row["produced_by"])
     Console().print(table)
+
+
+def _human_bytes(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
 
 
 def main() -> None:

@@ -111,6 +111,7 @@ class DrafterConfig:
     head_rank: int = positive(320)  # R of the sequential head
     sequential_head: bool = True
     composition: Literal["sequence", "feature"] = "sequence"
+    head_init: Literal["random", "target-svd"] = "random"  # target-svd: rank-R SVD of the target's LM head
 
 
 @dataclass

@@ -117,11 +117,13 @@ class FeatureCache:
                 for index, shard in enumerate(shards):
                     if self._shard_path(index).exists():
                         continue
-                    sequences = []
+                    by_length = sorted(range(len(shard)), key=lambda i: len(shard[i]["input_ids"]))  # little padding
+                    computed = {}
                     for start in range(0, len(shard), train.target_batch):
-                        part = shard[start : start + train.target_batch]
-                        sequences += target_pass(target_model, capture, [(r["input_ids"], r["prompt_len"]) for r in part], train.target_top_k)
-                    self._write_shard(index, sequences)
+                        part = by_length[start : start + train.target_batch]
+                        inputs = [(shard[i]["input_ids"], shard[i]["prompt_len"]) for i in part]
+                        computed.update(zip(part, target_pass(target_model, capture, inputs, train.target_top_k)))
+                    self._write_shard(index, [computed[i] for i in range(len(shard))])
                     done += len(shard)
                     bar.update(advance=len(shard))
                     self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})

@@ -253,6 +253,16 @@ class Drafter(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
+    @torch.no_grad()
+    def init_head_from(self, lm_head: torch.Tensor) -> None:
+        """Start the head as a rank-R factorisation of the target's LM head (V, H): logits ≈ lm_head · h."""
+        u, singular, vh = torch.linalg.svd(lm_head.float(), full_matrices=False)
+        R = self.spec.head_rank
+        self.head.vocab.weight.copy_(u[:, :R] * singular[:R])
+        self.head.latent.weight.zero_()
+        self.head.latent.weight[:, R:] = vh[:R]
+        self.head.latent.bias.zero_()
+
     def context_slots(self, context: torch.Tensor) -> torch.Tensor:
         """context (B, S, H) target states at the pivot → (B, S, H) slots, or (B, 1, H) feature-wise."""
         if self.spec.composition == "feature":

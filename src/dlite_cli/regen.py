@@ -280,7 +280,7 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
         for b, batch in enumerate(batches):
             if b in finished:
                 continue
-            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, regen, seed=_seed(regen.seed, chunk, b))
+            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b))
             out.write(json.dumps({"batch": b, "records": records}) + "\n")
             out.flush()
             os.fsync(out.fileno())
@@ -311,7 +311,7 @@ def _seed(seed: int, chunk: int, batch: int) -> int:
     return (seed * 1_000_003 + chunk * 1009 + batch) % 2**31
 
 
-def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, regen: RegenConfig, seed: int) -> list[dict]:
+def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, seed: int) -> list[dict]:
     records = []
     for prompt, ids, result in zip(prompts, prompt_ids, generator.generate(prompt_ids, [p.messages for p in prompts], seed)):
         if isinstance(result, str):
