@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml
 reproduce: $(STAMP)
 	$(BIN)/dlite prepare-target --target $(TARGET)
 	$(BIN)/dlite regen --target $(TARGET)
+	$(BIN)/dlite train-teacher --target $(TARGET)
+	$(BIN)/dlite warmup --target $(TARGET)
+	$(BIN)/dlite stable --target $(TARGET)
+	$(BIN)/dlite stable --from-scratch --target $(TARGET)
 	$(BIN)/dlite status --target $(TARGET)
 
 test: $(STAMP)

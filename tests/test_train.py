@@ -93,3 +93,11 @@ def test_two_process_accelerate_launch_on_cpu(run_cli, cache_dir, tmp_path):
     a = load_file(single / "train-teacher" / "drafter" / "model.safetensors")
     b = load_file(double / "train-teacher" / "drafter" / "model.safetensors")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # same updates, up to reduction order
+
+
+def test_online_mode_runs_the_target_inside_the_loop(run_cli, tmp_path):
+    run = tmp_path / "runs" / "micro"
+    run_cli("regen", "--target", "micro")
+    run_cli("stable", "--target", "micro", "--from-scratch", "--set", "train.features=online")
+    assert summary(run, "stable-scratch")["status"] == "done"
+    assert not (run / "features").exists()  # nothing cached

@@ -142,7 +142,7 @@ def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) 
     """Show each stage of a run directory: done, partial (with progress) or missing."""
     from .artifacts import stage_rows
 
-    directory = run_dir if run_dir is not None else Path("runs") / Path(target).stem
+    directory = _run_dir(load_config(target), run_dir)
     table = Table(title=f"dlite run {directory}")
     for column in ("stage", "status", "progress", "size", "time", "produced by"):
         table.add_column(column, no_wrap=column != "produced by")

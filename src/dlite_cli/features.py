@@ -27,6 +27,7 @@ import torch
 from .artifacts import Stage, atomic_path
 from .config import Config, config_hash
 from .errors import DliteError
+from .losses import dropped_mass
 from .progress import progress_bar
 from .regen import iter_records
 
@@ -123,15 +124,24 @@ class FeatureCache:
                         part = by_length[start : start + train.target_batch]
                         inputs = [(shard[i]["input_ids"], shard[i]["prompt_len"]) for i in part]
                         computed.update(zip(part, target_pass(target_model, capture, inputs, train.target_top_k)))
-                    self._write_shard(index, [computed[i] for i in range(len(shard))])
+                    sequences = [computed[i] for i in range(len(shard))]
+                    self._write_shard(index, sequences)
                     done += len(shard)
                     bar.update(advance=len(shard))
                     self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
         finally:
             capture.remove()
         tokens = sum(len(r["input_ids"]) for r in records)
-        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards)})
-        log(f"cached target features for {len(records)} sequences ({tokens} tokens) in {self.stage.dir}")
+        dropped = self._dropped_mass()
+        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards), "top_k_dropped_mass": dropped})
+        log(f"cached target features for {len(records)} sequences ({tokens} tokens) in {self.stage.dir}; "
+            f"p^T mass outside the top-{train.target_top_k}: mean {dropped['mean']:.4f}, p99 {dropped['p99']:.4f} "
+            "(the most the sparse TV loss can differ from the full one per position)")
+
+    def _dropped_mass(self) -> dict:
+        """How much of p^T the top-k leaves out, over the response positions of every sequence."""
+        dropped = torch.cat([dropped_mass(s.top_probs[max(s.prompt_len - 1, 0) :]) for s in self.load(require_done=False)])
+        return {"mean": round(dropped.mean().item(), 5), "p99": round(dropped.quantile(0.99).item(), 5)}
 
     def _shard_path(self, index: int) -> Path:
         return self.stage.dir / f"{index:05d}.safetensors"
@@ -150,11 +160,11 @@ class FeatureCache:
         with atomic_path(self._shard_path(index)) as tmp:
             save_file(tensors, tmp)
 
-    def load(self) -> list[Sequence]:
+    def load(self, require_done: bool = True) -> list[Sequence]:
         from safetensors.torch import load_file
 
         manifest = self.stage.manifest()
-        if manifest is None or manifest["status"] != "done":
+        if require_done and (manifest is None or manifest["status"] != "done"):
             raise DliteError(f"the target feature cache in {self.stage.dir} is incomplete: run the training stage again to finish it")
         sequences = []
         for path in sorted(self.stage.dir.glob("*.safetensors")):
