@@ -159,3 +159,28 @@ def test_parse_shard():
     assert parse_shard("1/4") == (1, 4)
     with pytest.raises(DliteError):
         parse_shard("4")
+
+
+def test_hub_sources_read_local_files_in_their_schema(tmp_path):
+    nemotron = tmp_path / "nemotron"
+    nemotron.mkdir()
+    rows = [
+        {"uuid": f"u{i}", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q{i}?"},
+                                        {"role": "assistant", "content": "A."}]}
+        for i in range(30)
+    ]
+    (nemotron / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"Hi {i}"}, {"from": "gpt", "value": "x"}]} for i in range(30)]))
+    regen = RegenConfig(
+        sources=[SourceConfig("nemotron-v2", 10, str(nemotron)), SourceConfig("open-perfectblend", 10, str(blend))]
+    )
+    prompts, skipped = plan_prompts(regen, log=lambda _: None)
+    by_source = {s: [p for p in prompts if p.source == s] for s in ("nemotron-v2", "open-perfectblend")}
+    assert len(by_source["nemotron-v2"]) == 10 and len(by_source["open-perfectblend"]) == 10
+    first = by_source["nemotron-v2"][0]
+    assert first.id.startswith("nemotron-v2:u") and [m["role"] for m in first.messages] == ["system", "user"]
+    assert by_source["open-perfectblend"][0].messages[-1]["content"].startswith("Hi ")
+    assert plan_prompts(regen, log=lambda _: None)[0] == prompts  # the same plan every time
+    limited, _ = plan_prompts(regen, limit=5, log=lambda _: None)
+    assert limited == prompts[:5]
