@@ -30,7 +30,7 @@ def test_micro_pipeline_end_to_end(run_cli, tmp_path):
     for stage in STAGES + ("stable-scratch",):
         manifest = summary(run, stage)
         assert manifest["status"] == "done" and 1 <= manifest["summary"]["eval_tau"] <= 5
-        assert (run / stage / "drafter" / "model.safetensors").is_file()
+        assert (run / stage / "drafter" / "model.safetensors").is_file() and not (run / stage / "checkpoint").exists()
         lines = [json.loads(line) for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
         assert any("loss" in line for line in lines) and any("eval_tau" in line for line in lines)
     assert "history_fuse.weight" in load_file(run / "train-teacher" / "drafter" / "model.safetensors")

@@ -125,6 +125,7 @@ class TrainConfig:
     micro_batch: int = positive(4)  # sequences per forward pass of one process (the rest is accumulated)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_ratio: float = fraction(0.04)
+    teacher_window: int = _checked(-1, check=lambda v: v == -1 or v >= 0, says="be -1 (full history) or >= 0")
     teacher_epochs: int = positive(8)
     warmup_epochs: int = positive(2)
     stable_epochs: int = positive(6)

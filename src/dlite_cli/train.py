@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,8 @@ class StagePlan:
 
 def stage_plan(name: str, train: TrainConfig) -> StagePlan:
     plans = {
-        "train-teacher": StagePlan("train-teacher", FULL_HISTORY, "ce", train.teacher_epochs, None),
+        # teacher_window: −1 = full (the paper's teacher); 128 / 512 / 0 give the history ablations
+        "train-teacher": StagePlan("train-teacher", train.teacher_window, "ce", train.teacher_epochs, None),
         "warmup": StagePlan("warmup", 0, "kl", train.warmup_epochs, "train-teacher"),
         "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup"),
         "stable-scratch": StagePlan("stable-scratch", 0, "stable", train.warmup_epochs + train.stable_epochs, None),
@@ -421,6 +423,7 @@ class Trainer:
                        "eval_anchors": evaluation["anchors"], "parameters": sum(p.numel() for p in model.parameters()),
                        "processes": self.world}
             self.stage.finish(summary=summary)
+            shutil.rmtree(self.stage.dir / "checkpoint", ignore_errors=True)  # only resume needs it (3x the weights)
             self.log(f"{self.plan.name} done in {seconds:.0f} s: held-out simulated tau {summary['eval_tau']:.3f} "
                      f"(decoding walk {summary['eval_tau_walk']:.3f}) "
                      f"(per-position acceptance {evaluation['acceptance']}); drafter in {self.stage.dir / 'drafter'}")
