@@ -1,6 +1,6 @@
 """The three training stages (paper App. A.1) and the single-stage ablation, in one loop.
 
-    train-teacher   W = full (history-aware teacher), CE against the regenerated tokens
+    train-teacher   W = full (history-aware teacher; train.teacher_window for the ablations), CE against the regenerated tokens
     warmup          W = 0, forward KL to the frozen teacher (initialised from the teacher's shared weights)
     stable          W = 0, λ_CE·CE + λ_TV·TV against the target (initialised from warmup)
     stable-scratch  the same loss from random weights, for warmup + stable epochs (Figure 5's baseline)
@@ -182,7 +182,7 @@ class Trainer:
         if not fresh:
             self.log(f"{self.plan.name} in {self.stage.dir} is already done with this config; nothing to do")
             return self.stage.manifest()["summary"]
-        train_seqs, eval_seqs = self._sequences(target, inputs, force)
+        train_seqs, eval_seqs = self._sequences(inputs, force)
         return self._fit(train_seqs, eval_seqs)
 
     def _agree(self, flag: bool) -> bool:
@@ -192,7 +192,8 @@ class Trainer:
             torch.distributed.broadcast(value, src=0)
         return bool(value.item())
 
-    def _sequences(self, target, inputs: dict, force: bool) -> tuple[list[Sequence] | list[dict], list[Sequence] | list[dict]]:
+    def _sequences(self, inputs: dict, force: bool) -> tuple[list[Sequence] | list[dict], list[Sequence] | list[dict]]:
+        """(train, eval) items: cached Sequences, or (online) regen records the target runs over later."""
         records = load_records(self.run_dir)
         train_records, eval_records = split_records(records, self.train.eval_samples)
         if len(train_records) < self.train.global_batch:
