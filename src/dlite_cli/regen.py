@@ -93,7 +93,7 @@ class HFBackend:
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
         sampling = self.regen.temperature > 0
-        options = dict(temperature=self.regen.temperature, top_p=self.regen.top_p, top_k=None) if sampling else {}
+        options = dict(temperature=self.regen.temperature, top_p=self.regen.top_p, top_k=0) if sampling else {}
         torch.manual_seed(seed)
         with torch.inference_mode():
             output = self.model.generate(
