@@ -144,7 +144,7 @@ class OpenAIBackend:
             "seed": seed,
             "chat_template_kwargs": {"enable_thinking": self.thinking},
         }
-        for attempt in range(3):
+        for _ in range(3):  # retry transport errors and 5xx
             try:
                 response = self.client.post("/chat/completions", json=body)
                 if response.status_code < 500:
