@@ -155,12 +155,13 @@ def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) 
     Console().print(table)
 
 
-def _human_bytes(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+def _human_bytes(size: float) -> str:
+    if size < 1000:
+        return f"{size:.0f} B"
+    for unit in ("KB", "MB", "GB"):
         size /= 1000
-    return ""
+        if size < 1000 or unit == "GB":
+            return f"{size:.1f} {unit}"
 
 
 def main() -> None:

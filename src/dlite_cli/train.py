@@ -147,6 +147,7 @@ class Trainer:
         self.config, self.train, self.run_dir, self.log = config, config.train, Path(run_dir), log
         self.plan = stage_plan(stage_name, config.train)
         self.stage = Stage(self.run_dir, stage_name)
+        self.metrics = self.stage.dir / "metrics.jsonl"
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
@@ -330,7 +331,6 @@ class Trainer:
         drafter, optimizer = self.accelerator.prepare(drafter, optimizer)
         step = self._resume(drafter, optimizer, scheduler)
         eval_sequences = self._materialise(eval_items)
-        metrics = self.stage.dir / "metrics.jsonl"
         main = self.accelerator.is_main_process
         started = time.time()
         with progress_bar(self.plan.name, total=total_steps, completed=step, enabled=main) as bar:
@@ -357,10 +357,10 @@ class Trainer:
                     record = {"step": step, "epoch": epoch, "loss": round(step_loss, 5),
                               "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 4),
                               "elapsed_s": round(time.time() - started, 2)}
-                    _append(metrics, record)
+                    _append(self.metrics, record)
                     bar.update(advance=1, description=f"{self.plan.name} loss {record['loss']:.3f}")
-                if step % self.train.checkpoint_every == 0 or step == total_steps:
-                    self._checkpoint(drafter, optimizer, scheduler, step, eval_sequences, metrics, total_steps)
+                if step % self.train.checkpoint_every == 0 and step < total_steps:  # the last step is exported instead
+                    self._checkpoint(drafter, optimizer, scheduler, step, eval_sequences, total_steps)
         return self._export(drafter, eval_sequences, total_steps, time.time() - started)
 
     def _schedule(self, total_steps: int):
@@ -375,11 +375,10 @@ class Trainer:
 
         return factor
 
-    def _checkpoint(self, drafter, optimizer, scheduler, step, eval_sequences, metrics, total_steps) -> None:
+    def _checkpoint(self, drafter, optimizer, scheduler, step, eval_sequences, total_steps) -> None:
         if self.accelerator.is_main_process:
             evaluation = self.evaluate(self.accelerator.unwrap_model(drafter), eval_sequences)
-            _append(metrics, {"step": step, "eval_tau": round(evaluation["tau"], 4), "eval_tau_walk": round(evaluation["tau_walk"], 4),
-                              "eval_acceptance": evaluation["acceptance"]})
+            _append(self.metrics, {"step": step, **_eval_fields(evaluation)})
             with atomic_directory(self.stage.dir / "checkpoint") as tmp:
                 torch.save(
                     {
@@ -405,10 +404,9 @@ class Trainer:
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
-        metrics = self.stage.dir / "metrics.jsonl"
-        if self.accelerator.is_main_process and metrics.exists():  # drop what the killed run logged after the checkpoint
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-            atomic_write_text(metrics, "".join(line + "\n" for line in kept))
+        if self.accelerator.is_main_process and self.metrics.exists():  # drop what the killed run logged after the checkpoint
+            kept = [line for line in self.metrics.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+            atomic_write_text(self.metrics, "".join(line + "\n" for line in kept))
         self.log(f"resuming {self.plan.name} from step {state['step']}")
         return state["step"]
 
@@ -419,10 +417,9 @@ class Trainer:
             with atomic_directory(self.stage.dir / "drafter") as tmp:
                 model.save(tmp)
             evaluation = self.evaluate(model, eval_sequences)
-            summary = {"steps": total_steps, "eval_tau": round(evaluation["tau"], 4), "eval_tau_walk": round(evaluation["tau_walk"], 4),
-                       "eval_acceptance": evaluation["acceptance"],
-                       "eval_anchors": evaluation["anchors"], "parameters": sum(p.numel() for p in model.parameters()),
-                       "processes": self.world}
+            _append(self.metrics, {"step": total_steps, **_eval_fields(evaluation)})
+            summary = {"steps": total_steps, **_eval_fields(evaluation), "eval_anchors": evaluation["anchors"],
+                       "parameters": sum(p.numel() for p in model.parameters()), "processes": self.world}
             self.stage.finish(summary=summary)
             shutil.rmtree(self.stage.dir / "checkpoint", ignore_errors=True)  # only resume needs it (3x the weights)
             self.log(f"{self.plan.name} done in {seconds:.0f} s: held-out simulated tau {summary['eval_tau']:.3f} "
@@ -430,6 +427,12 @@ class Trainer:
                      f"(per-position acceptance {evaluation['acceptance']}); drafter in {self.stage.dir / 'drafter'}")
         self.accelerator.wait_for_everyone()
         return summary
+
+
+def _eval_fields(evaluation: dict) -> dict:
+    """What metrics.jsonl and the stage summary record of a simulated-tau evaluation."""
+    return {"eval_tau": round(evaluation["tau"], 4), "eval_tau_walk": round(evaluation["tau_walk"], 4),
+            "eval_acceptance": evaluation["acceptance"]}
 
 
 def _append(path: Path, record: dict) -> None:
