@@ -138,6 +138,50 @@ def stable(
 
 
 @app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The user message ('-' reads it from stdin).")],
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    drafter: Annotated[str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")] = "dlite",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0, max=1, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k likeliest tokens (0 = all).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Feed the prompt as it is, without the chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, tau and all statistics).")] = False,
+) -> None:
+    """Decode one prompt with speculative decoding and print the text and its acceptance statistics."""
+    import json
+
+    from .engine import Request, SamplingParams, load_engine
+    from .regen import chat_prompt_ids
+
+    config = _load(target, set_)
+    text = sys.stdin.read() if prompt == "-" else prompt
+    engine, tokenizer = load_engine(config, _run_dir(config, run_dir), drafter, slots=1, log=log)
+    if raw:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], config.target.thinking)
+    params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop or ()), seed)
+    (request,) = engine.run([Request(ids, params)])
+    stats = request.stats.as_dict()
+    if as_json:
+        print(json.dumps({"text": request.text, "finish_reason": request.finish_reason, "drafter": drafter, **stats}))
+        return
+    print(request.text)
+    acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance"])
+    log(f"{drafter}: tau {stats['tau']:.2f} over {stats['rounds']} rounds, {stats['generated_tokens']} tokens "
+        f"({request.finish_reason}); prefill {stats['prefill_ms']:.0f} ms for {stats['prompt_tokens']} tokens; per round: "
+        f"draft {stats['draft_ms_per_round']:.1f} ms, verify {stats['verify_ms_per_round']:.1f} ms, "
+        f"other {stats['overhead_ms_per_round']:.1f} ms; acceptance by position: {acceptance or 'n/a'}; "
+        f"{stats['generated_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tok/s")
+
+
+@app.command()
 def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing."""
     from .artifacts import stage_rows

@@ -1,7 +1,7 @@
 """Typed configuration: one schema with sections, loaded and validated in one place.
 
 A config is a YAML file (``configs/<target>.yaml`` or any path) with the sections
-``target``, ``regen``, ``drafter`` and ``train``.  Every key is checked against
+``target``, ``regen``, ``drafter``, ``train`` and ``decode``.  Every key is checked against
 the dataclasses below: an unknown key, a wrong type or an impossible value is a
 one-sentence :class:`DliteError` naming the file and the key.  ``--set
 section.key=value`` overrides are applied to the raw YAML before validation, so
@@ -143,11 +143,24 @@ class TrainConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """The speculative-decoding engine (``generate``, ``bench``, ``serve``); never changes what was trained."""
+
+    # The drafter only proposes, so its precision cannot change the output.  bfloat16 halves the
+    # memory its vocabulary projection reads per draft token: measured here, a smollm2-135m draft block
+    # takes about 15 ms instead of 35 ms.
+    draft_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
+    max_batch: int = positive(16)  # rows decoded together (continuous batching)
+
+
+@dataclass
 class Config:
     target: TargetConfig
     regen: RegenConfig
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     name: str = ""  # defaults to the file's stem; names the run directory
     description: str = ""
 

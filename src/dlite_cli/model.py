@@ -5,12 +5,14 @@ One draft round (DESIGN.md §1), for a batch of B anchors, K draft tokens, S tar
     context   (B, S, H)  target hidden states at the pivot (the position before the anchor), from S layers
       → + depth embedding, RMSNorm → S context slots ("sequence" composition)
         or one slot RMSNorm(W [h_1; …; h_S]) ("feature" composition, the ablation)
-    history   (B, T, S·H) per-position target features of earlier tokens (W ≠ 0 only)
-      → RMSNorm(W_fuse ·) → T more context slots, masked to the last W positions before the pivot
+    history   (T, S·H)   per-position target features of earlier tokens (W ≠ 0 only)
+      → RMSNorm(W_fuse ·) → per-layer keys/values at absolute positions (the draft KV cache,
+        built once per position), masked to the last W positions before the pivot
     queries   (B, 1+K, H) the anchor's embedding (the target's frozen table, passed in) + K placeholders
       → N decoder layers of the target's family: queries attend bidirectionally to each other and to
         the context slots, which supply keys/values at every layer through that layer's projections.
-        Positions are local: pivot −1, anchor 0, placeholders 1..K, history t − anchor.
+        Positions are local: pivot −1, anchor 0, placeholders 1..K; with history the block is
+        shifted to the anchor's absolute position a (RoPE is relative, so only t − a matters).
       → final RMSNorm → h_1..h_K (B, K, H)
     head      low-rank gated RNN over the K positions (R = head_rank):
                 s_i = g ⊙ s_{i−1} + (1 − g) ⊙ tanh(c),  [g, c] = W_g [s_{i−1}; E_R(x_{i−1})]
@@ -122,11 +124,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x (B, heads, L, d); cos/sin (B, L, d)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Queries from the block; keys/values from [context slots; block] (grouped-query, as the target)."""
+    """Queries from the block; keys/values from [history; context slots; block] (grouped-query, as the target)."""
 
     def __init__(self, spec: DrafterSpec):
         super().__init__()
@@ -141,20 +143,32 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
             self.k_norm = nn.RMSNorm(d, eps=spec.rms_norm_eps)
 
-    def forward(self, x, context, rope_q, rope_kv, mask):
-        """x (B, Q, H) queries; context: tensors (B or 1, C_i, H) of key/value slots, a 1 being shared
-        by every row; mask (B, 1, 1, ΣC_i+Q) bool or None → (B, Q, H)."""
-        B, Q, _ = x.shape
-        k = torch.cat([self.k_proj(c).expand(B, -1, -1) for c in context] + [self.k_proj(x)], dim=1)
-        v = torch.cat([self.v_proj(c).expand(B, -1, -1) for c in context] + [self.v_proj(x)], dim=1)
-        q = self.q_proj(x).view(B, Q, self.heads, self.head_dim)
-        k = k.view(B, k.shape[1], self.kv_heads, self.head_dim)
+    def keys_values(self, x, rope_x):
+        """x (B, L, H), rope_x cos/sin (B, L, d) → keys, values (B, kv_heads, L, d), keys rotated."""
+        B, L, _ = x.shape
+        k = self.k_proj(x).view(B, L, self.kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(B, L, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k.transpose(1, 2), *rope_x), v
+
+    def forward(self, x, slots, rope_q, rope_slots, history_kv=None, mask=None):
+        """x (B, Q, H) queries; slots (B, C, H) context slots; history_kv optional (keys, values)
+        (B or 1, kv_heads, T, d) already rotated; mask (B, 1, 1, T+C+Q) bool or None → (B, Q, H)."""
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), *rope_q)
-        k = apply_rope(k.transpose(1, 2), *rope_kv)
-        v = v.view(B, v.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        k_slots, v_slots = self.keys_values(slots, rope_slots)
+        k_x, v_x = self.keys_values(x, rope_q)
+        keys, values = [k_slots, k_x], [v_slots, v_x]
+        if history_kv is not None:
+            keys.insert(0, history_kv[0].expand(B, -1, -1, -1))
+            values.insert(0, history_kv[1].expand(B, -1, -1, -1))
+        out = F.scaled_dot_product_attention(
+            q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 
@@ -179,9 +193,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, context, rope_q, rope_kv, mask):
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_kv, mask)
+    def forward(self, x, slots, rope_q, rope_slots, history_kv=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), slots, rope_q, rope_slots, history_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+@dataclass
+class History:
+    """What a history-aware drafter (W ≠ 0) reads besides the pivot: its draft KV cache.
+
+    kv         per drafter layer, (keys, values) each (B or 1, kv_heads, T, d); keys rotated at
+               the absolute positions 0..T−1 of the positions they encode
+    mask       (B, T) bool: True where row b's anchor may attend to position t
+    anchors    (B,) long: each row's absolute anchor position
+    """
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    anchors: torch.Tensor
 
 
 class Head(nn.Module):
@@ -216,13 +249,14 @@ class Head(nn.Module):
         return torch.stack(logits, dim=1)
 
     @torch.no_grad()
-    def greedy(self, h, anchor):
-        """Free-running argmax: h (B, K, H), anchor (B,) → draft tokens (B, K), logits (B, K, V)."""
+    def free_running(self, h, anchor, pick=greedy_pick):
+        """Draft left to right: h (B, K, H), anchor (B,); ``pick(logits (B, V)) → tokens (B,)`` chooses
+        each token (argmax, or a sample) and feeds it to the next step → tokens (B, K), logits (B, K, V)."""
         state, previous = h.new_zeros(h.shape[0], self.rank), anchor
         tokens, logits = [], []
         for i in range(h.shape[1]):
             state, step_logits = self.step(state, h[:, i], previous)
-            previous = step_logits.argmax(-1)
+            previous = pick(step_logits)
             tokens.append(previous)
             logits.append(step_logits)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
@@ -270,41 +304,47 @@ class Drafter(nn.Module):
             return self.context_norm(self.context_fuse(z.flatten(1)))[:, None]
         return self.context_norm(context + self.depth_embedding.weight)
 
-    def hidden(self, context, anchor_embeds, history=None, history_positions=None, history_mask=None):
-        """The backbone's K outputs.
+    def history_kv(self, features: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The draft KV cache entries of ``features`` (B, T, S·H), the target's features at the absolute
+        positions start..start+T−1 → per layer (keys, values) (B, kv_heads, T, d).  Built once per position."""
+        B, T, _ = features.shape
+        slots = self.history_norm(self.history_fuse(features))
+        positions = torch.arange(start, start + T, device=features.device).expand(B, -1)
+        rope_slots = rope(positions, self.spec.head_dim, self.spec.rope_theta)
+        return [layer.self_attn.keys_values(slots, rope_slots) for layer in self.layers]
 
-        context (B, S, H) target states at each anchor's pivot; anchor_embeds (B, H).
-        W ≠ 0 only: history (1, T, S·H) per-position target features of the one sequence the B
-        anchors come from, history_positions (B, T) their positions relative to each anchor,
-        history_mask (B, T) True where anchor b may attend to position t.  → h (B, K, H).
-        """
+    def history(self, features: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor) -> History:
+        """A History from raw features (1, T, S·H) of one sequence shared by B anchors (training)."""
+        return History(self.history_kv(features), mask, anchors)
+
+    def hidden(self, context, anchor_embeds, history: History | None = None):
+        """The backbone's K outputs: context (B, S, H) target states at each anchor's pivot;
+        anchor_embeds (B, H); history for W ≠ 0 → h (B, K, H)."""
         B, K = context.shape[0], self.spec.draft_tokens
         device = context.device
         slots = self.context_slots(context)
-        query_positions = torch.arange(K + 1, device=device).expand(B, -1)
-        key_positions = [torch.full(slots.shape[:2], -1, device=device), query_positions]  # pivot at −1
-        kv_sources, mask = [slots], None
+        shift = history.anchors[:, None] if history is not None else torch.zeros(B, 1, dtype=torch.long, device=device)
+        query_positions = shift + torch.arange(K + 1, device=device)
+        slot_positions = (shift - 1).expand(-1, slots.shape[1])  # the pivot
+        mask = None
         if history is not None:
-            kv_sources.append(self.history_norm(self.history_fuse(history)))  # (1, T, H): once for all rows
-            key_positions.insert(1, history_positions)
-            visible = [torch.ones(B, slots.shape[1], dtype=torch.bool, device=device), history_mask,
-                       torch.ones(B, K + 1, dtype=torch.bool, device=device)]
-            mask = torch.cat(visible, dim=1)[:, None, None, :]
+            visible_rest = torch.ones(B, slots.shape[1] + K + 1, dtype=torch.bool, device=device)
+            mask = torch.cat([history.mask, visible_rest], dim=1)[:, None, None, :]
         x = torch.cat([anchor_embeds[:, None], self.placeholders.expand(B, -1, -1)], dim=1)
         rope_q = rope(query_positions, self.spec.head_dim, self.spec.rope_theta)
-        rope_kv = rope(torch.cat(key_positions, dim=1), self.spec.head_dim, self.spec.rope_theta)
-        for layer in self.layers:
-            x = layer(x, kv_sources, rope_q, rope_kv, mask)
+        rope_slots = rope(slot_positions, self.spec.head_dim, self.spec.rope_theta)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, slots, rope_q, rope_slots, history.kv[index] if history is not None else None, mask)
         return self.norm(x[:, 1:])
 
-    def forward(self, context, anchor_embeds, previous, **history):
+    def forward(self, context, anchor_embeds, previous, history: History | None = None):
         """Teacher-forced logits (B, K, V); previous (B, K) = [anchor, y_1..y_{K−1}]."""
-        return self.head(self.hidden(context, anchor_embeds, **history), previous)
+        return self.head(self.hidden(context, anchor_embeds, history), previous)
 
     @torch.no_grad()
-    def draft(self, context, anchor_embeds, anchor, **history):
-        """Greedy draft block: → tokens (B, K), logits (B, K, V)."""
-        return self.head.greedy(self.hidden(context, anchor_embeds, **history), anchor)
+    def draft(self, context, anchor_embeds, anchor, history: History | None = None, pick=greedy_pick):
+        """A draft block: → tokens (B, K), logits (B, K, V); ``pick`` chooses each token (default argmax)."""
+        return self.head.free_running(self.hidden(context, anchor_embeds, history), anchor, pick)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -31,7 +31,7 @@ from .config import Config, TrainConfig, config_hash
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
-from .model import FULL_HISTORY, Drafter, DrafterSpec
+from .model import FULL_HISTORY, Drafter, DrafterSpec, History
 from .progress import progress_bar
 from .targets import load_model, prepare_target
 
@@ -83,7 +83,7 @@ class AnchorBatch:
     valid: torch.Tensor  # (B, K) bool: the label exists
     top_probs: torch.Tensor  # (B, K, k) p^T_i = p^T(· | x_≤a+i−1)
     top_ids: torch.Tensor  # (B, K, k)
-    history: dict  # Drafter.hidden's history arguments, empty for W = 0
+    history: dict  # W ≠ 0: Drafter.history's arguments (features (1, T, S·H), mask (B, T), anchors (B,)); else empty
 
     def to(self, device) -> "AnchorBatch":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "history"}
@@ -93,6 +93,10 @@ class AnchorBatch:
     def previous(self) -> torch.Tensor:
         """Teacher-forced inputs of the sequential head: [anchor, y_1..y_{K−1}] (B, K)."""
         return torch.cat([self.anchor[:, None], self.labels[:, :-1].clamp(min=0)], dim=1)
+
+    def history_for(self, drafter: Drafter) -> History | None:
+        """The drafter's view of this batch's history (None for a history-free drafter)."""
+        return drafter.history(**self.history) if drafter.spec.history_window != 0 else None
 
     @property
     def target_greedy(self) -> torch.Tensor:
@@ -115,11 +119,7 @@ def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int)
         visible = relative <= -2
         if window != FULL_HISTORY:
             visible &= relative >= -1 - window
-        history = {
-            "history": sequence.features[:span].float().flatten(1)[None],
-            "history_positions": relative,
-            "history_mask": visible,
-        }
+        history = {"features": sequence.features[:span].float().flatten(1)[None], "mask": visible, "anchors": anchors}
     return AnchorBatch(
         context=sequence.features[anchors - 1].float(),
         anchor=sequence.input_ids[anchors],
@@ -265,13 +265,12 @@ class Trainer:
         batch = batch.to(device)
         with torch.no_grad():
             anchor_embeds = self.target_model.get_input_embeddings()(batch.anchor).float()
-        own_history = batch.history if self.spec.history_window != 0 else {}
-        logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
+        logits = drafter(batch.context, anchor_embeds, batch.previous, batch.history_for(drafter))
         if self.plan.loss == "ce":
             return cross_entropy(logits, batch.labels, batch.valid, self.weights)
         if self.plan.loss == "kl":
             with torch.no_grad():
-                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
+                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, batch.history_for(teacher))
             return forward_kl(teacher_logits, logits, batch.valid, self.weights)
         return stable_loss(
             logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, self.weights, self.train.lambda_ce, self.train.lambda_tv
@@ -299,7 +298,7 @@ class Trainer:
                 greedy = batch.target_greedy
                 # feeding the target's tokens is exact: the drafter's own choices only matter while they agree
                 previous = torch.cat([batch.anchor[:, None], greedy[:, :-1]], dim=1)
-                logits = drafter(batch.context, embed(batch.anchor).float(), previous, **batch.history)
+                logits = drafter(batch.context, embed(batch.anchor).float(), previous, batch.history_for(drafter))
                 accepted.append(((logits.argmax(-1) == greedy) & batch.valid).long().cumprod(dim=1).cpu())
             run = torch.cat(accepted)
             runs.append(run)

@@ -1,0 +1,379 @@
+"""Speculative decoding for a continuous batch of requests: prefill, draft, verify, accept.
+
+One round, for the B active rows (each row is a Request):
+
+    draft    the drafter proposes up to K tokens d_1..d_K after each row's anchor (drafters.py)
+    verify   the target runs [anchor, d_1..d_L] of every row in one batched pass (runner.py)
+    accept   greedy: the longest prefix equal to the target's argmax, plus the target's next token;
+             sampling: speculative rejection sampling, so the output is distributed exactly as the
+             target's own samples.  Each row keeps its own count n; its KV cache is cut back to the
+             accepted length, the target state at the last accepted position becomes the new pivot
+             and the target's extra token the new anchor.
+
+A row leaves on EOS, a stop string or its token budget, and a waiting request is prefilled into
+its slot before the next round (continuous batching).  τ = tokens committed per verify round.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import DliteError
+from .runner import TargetRunner
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise DliteError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise DliteError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DliteError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DliteError(f"top_k must be ≥ 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Stats:
+    """Decoding counters of one request, or of a whole engine (then times are per batched step)."""
+
+    draft_tokens: int = 0  # K
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0  # verify rounds, per row
+    committed: int = 0  # tokens accepted by those rounds (accepted drafts + the target's own token)
+    steps: int = 0  # batched verify passes the times below cover
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    overhead_seconds: float = 0.0  # acceptance and bookkeeping between the two
+    draft_kv_bytes: int = 0  # peak draft-side KV cache (0 for DLite)
+    proposed: list[int] = field(default_factory=list)  # per draft position: rounds that proposed it
+    accepted: list[int] = field(default_factory=list)  # … and that accepted it
+
+    def __post_init__(self):
+        self.proposed = self.proposed or [0] * self.draft_tokens
+        self.accepted = self.accepted or [0] * self.draft_tokens
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.rounds if self.rounds else 1.0
+
+    def as_dict(self) -> dict:
+        per_step = lambda seconds: round(1000 * seconds / self.steps, 3) if self.steps else 0.0  # noqa: E731
+        return {
+            "tau": round(self.tau, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "rounds": self.rounds,
+            "acceptance": [round(a / p, 4) if p else None for a, p in zip(self.accepted, self.proposed)],
+            "prefill_ms": round(1000 * self.prefill_seconds, 3),
+            "draft_ms_per_round": per_step(self.draft_seconds),
+            "verify_ms_per_round": per_step(self.verify_seconds),
+            "overhead_ms_per_round": per_step(self.overhead_seconds),
+            "decode_seconds": round(self.draft_seconds + self.verify_seconds + self.overhead_seconds, 4),
+            "draft_kv_bytes": self.draft_kv_bytes,
+        }
+
+
+@dataclass(eq=False)  # compared by identity: a request is one live object
+class Request:
+    """One sequence: its prompt and parameters, then (filled by the engine) its output and state."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)  # the anchor is the last one while decoding
+    text: str = ""
+    finish_reason: str | None = None  # stop | length
+    stats: Stats | None = None
+    slot: int = -1
+    pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def anchor(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def position(self) -> int:
+        """The anchor's absolute position (the tokens before it are in the target's cache)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits (..., V) → the distribution to sample from, after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where to sample after rejecting a draft: norm(max(p − q, 0)) (p, q (V,))."""
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def accept_sampled(target_logits, drafts, draft_logits, params, generator) -> tuple[int, int]:
+    """Speculative rejection sampling for one row.
+
+    target_logits (L+1, V); drafts (L,); draft_logits (L, V) or None for certain proposals.
+    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
+    next token comes from the residual; if all L are kept, from p_{L+1}.  → (accepted n, next token).
+    """
+    p = probabilities(target_logits.cpu(), params)
+    if draft_logits is None:
+        q = torch.nn.functional.one_hot(drafts.cpu(), p.shape[-1]).float()
+    else:
+        q = probabilities(draft_logits.cpu(), params)
+    for i, token in enumerate(drafts.tolist()):
+        if torch.rand((), generator=generator) * q[i, token] < p[i, token]:
+            continue
+        return i, sample(residual_distribution(p[i], q[i]), generator)
+    return len(drafts), sample(p[len(drafts)], generator)
+
+
+def accept_greedy(target_logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits (B, L+1, V), draft (B, L), lengths (B,) → accepted n (B,), next tokens (B,)."""
+    choice = target_logits.argmax(-1)  # (B, L+1)
+    L = draft.shape[1]
+    agree = (draft == choice[:, :L]) & (torch.arange(L, device=draft.device) < lengths[:, None])
+    n = agree.long().cumprod(dim=1).sum(dim=1)
+    return n, choice.gather(1, n[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+    """Continuous batching over a TargetRunner's slots with one drafter (drafters.py)."""
+
+    def __init__(self, runner, drafter, eos_ids: set[int], decode, max_batch: int | None = None):
+        self.runner, self.drafter, self.eos_ids, self.decode = runner, drafter, set(eos_ids), decode
+        self.max_batch = max_batch or len(runner.lengths)
+        self.free = list(range(min(self.max_batch, len(runner.lengths))))[::-1]
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.stats = Stats(drafter.draft_tokens)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; refused, in one sentence, if it can never fit."""
+        request.params.check()
+        need = len(request.prompt_ids) + self.drafter.draft_tokens + 2
+        if not request.prompt_ids:
+            raise DliteError("the prompt is empty")
+        if need > self.runner.capacity:
+            raise DliteError(
+                f"the prompt has {len(request.prompt_ids)} tokens; with {self.drafter.draft_tokens} draft tokens it needs "
+                f"{need} of KV cache, more than the engine's {self.runner.capacity}"
+            )
+        request.stats = Stats(self.drafter.draft_tokens, prompt_tokens=len(request.prompt_ids))
+        seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
+        request.generator = torch.Generator().manual_seed(seed)
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Decode ``requests`` to the end (they join as slots free up) and return them."""
+        for request in requests:
+            self.add(request)
+        while self.busy:
+            self.step()
+        return requests
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests into free slots, then one round for every active row.
+        → the requests that received tokens (or finished)."""
+        updated = []
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            self._prefill(request)
+            updated.append(request)
+        if self.active:
+            updated += self._round(list(self.active))
+        return list(dict.fromkeys(updated))
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request at once (a client went away), freeing its slot."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.active:
+            self._finish(request, "cancelled")
+
+    # ----- prefill, draft, verify, accept
+
+    def _prefill(self, request: Request) -> None:
+        start = _now(self.runner.device)
+        request.slot = self.free.pop()
+        logits, features = self.runner.prefill(request.slot, request.prompt_ids, all_features=self.drafter.needs_all_features)
+        first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
+        request.pivot = features[-1]
+        self.active.append(request)
+        self.drafter.begin(request, features)
+        seconds = _now(self.runner.device) - start
+        request.stats.prefill_seconds += seconds
+        self.stats.prefill_seconds += seconds
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        self._emit(request, [first])
+
+    def _round(self, rows: list[Request]) -> list[Request]:
+        device = self.runner.device
+        t0 = _now(device)
+        draft = self.drafter.propose(rows, self._picker(rows))
+        width = max(draft.lengths)
+        anchors = torch.tensor([[row.anchor] for row in rows])
+        tokens = torch.cat([anchors, draft.tokens[:, :width].cpu()], dim=1)
+        t1 = _now(device)
+        logits, features = self.runner.forward([row.slot for row in rows], tokens)
+        t2 = _now(device)
+        lengths = torch.tensor(draft.lengths)
+        greedy_n, greedy_next = accept_greedy(logits.cpu(), tokens[:, 1:], lengths)
+        extend_seconds = 0.0
+        for b, row in enumerate(rows):
+            if row.params.greedy:
+                n, next_token = int(greedy_n[b]), int(greedy_next[b])
+            else:
+                L = draft.lengths[b]
+                draft_logits = draft.logits[b, :L] if draft.logits is not None else None
+                n, next_token = accept_sampled(logits[b, : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
+            self.runner.truncate(row.slot, row.position + n + 1)
+            start = time.perf_counter()
+            # the old pivot, the anchor and all accepted drafts but the last are history now
+            self.drafter.extend(row, torch.cat([row.pivot[None], features[b, :n]]))
+            extend_seconds += time.perf_counter() - start
+            row.pivot = features[b, n]
+            for stats in (row.stats, self.stats):
+                stats.rounds += 1
+                stats.committed += n + 1
+                for i in range(draft.lengths[b]):
+                    stats.proposed[i] += 1
+                    stats.accepted[i] += i < n
+            self._emit(row, tokens[b, 1 : n + 1].tolist() + [next_token])
+        t3 = _now(device)
+        draft_kv = 0
+        for row in rows:
+            kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0
+            row.stats.draft_kv_bytes = max(row.stats.draft_kv_bytes, kv)
+            draft_kv += kv
+        self.stats.draft_kv_bytes = max(self.stats.draft_kv_bytes, draft_kv)
+        for stats in [row.stats for row in rows] + [self.stats]:
+            stats.steps += 1
+            stats.draft_seconds += t1 - t0 + extend_seconds
+            stats.verify_seconds += t2 - t1
+            stats.overhead_seconds += t3 - t2 - extend_seconds
+        return rows
+
+    def _picker(self, rows: list[Request]):
+        """How the drafter chooses each proposal: argmax for greedy rows, a sample from the same
+        tempered/top-k/top-p distribution the target will use for sampling rows."""
+        if all(row.params.greedy for row in rows):
+            return lambda logits: logits.argmax(-1)
+
+        def pick(logits):
+            chosen = logits.argmax(-1)
+            for b, row in enumerate(rows):
+                if not row.params.greedy:
+                    chosen[b] = sample(probabilities(logits[b], row.params), row.generator)
+            return chosen
+
+        return pick
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""
+        params = request.params
+        for token in tokens:
+            request.output_ids.append(token)
+            request.stats.generated_tokens += 1
+            self.stats.generated_tokens += 1
+            if token in self.eos_ids:
+                return self._finish(request, "stop")
+            if len(request.output_ids) >= params.max_new_tokens:
+                return self._finish(request, "length")
+        if params.stop:
+            text = self.decode(request.output_ids)
+            if any(stop in text for stop in params.stop):
+                return self._finish(request, "stop")
+        if request.position + self.drafter.draft_tokens + 1 > self.runner.capacity:
+            return self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.text = self.text_of(request)
+        self.active.remove(request)
+        self.drafter.end(request)
+        self.free.append(request.slot)
+
+    def text_of(self, request: Request) -> str:
+        """The output text so far: without the EOS token and cut before the first stop string."""
+        ids = request.output_ids[:-1] if request.output_ids and request.output_ids[-1] in self.eos_ids else request.output_ids
+        text = self.decode(ids)
+        cuts = [text.find(stop) for stop in request.params.stop if stop in text]
+        return text[: min(cuts)] if cuts else text
+
+
+def _now(device: torch.device) -> float:
+    """Wall time after the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):
+    """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
+    ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length."""
+    from .drafters import load_proposer
+    from .targets import load_target
+
+    model, tokenizer, _ = load_target(config.target, log)
+    capacity = capacity or model.config.max_position_embeddings
+    decode = config.decode
+    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype)
+    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk)
+    eos = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} - {None}
+    detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return Engine(runner, proposer, eos, detokenize), tokenizer
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]

@@ -1,0 +1,134 @@
+"""The target side of speculative decoding: a forward pass over a Hugging Face Llama/Qwen3 model's own
+weights with a KV cache in which every row (slot) has its own length.
+
+    keys[l], values[l]   (slots, kv_heads, allocated, head_dim) per target layer l; allocated grows
+                         by doubling up to ``capacity``, the longest sequence the runner accepts
+    lengths[slot]        tokens of that slot already in the cache
+
+``forward(slots, tokens)`` appends ``tokens`` (B, Q) after each slot's current length and returns
+logits and the hidden states of the drafter's S layers; ``truncate(slot, n)`` rolls a slot back to
+its accepted length (entries beyond it are masked now and overwritten later).  Rows of different
+lengths share one batched pass, which is what lets each row accept its own number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DliteError
+from .model import SUPPORTED_FAMILIES, apply_rope
+
+INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
+
+
+class TargetRunner:
+    """A target model (``AutoModelForCausalLM``, eval mode) prepared for batched, rollback-able decoding."""
+
+    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512):
+        config = model.config
+        if config.model_type not in SUPPORTED_FAMILIES:
+            raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise DliteError("targets with sliding-window attention layers are not supported by the decoding engine")
+        self.model, self.capture_layers = model, sorted(capture_layers)
+        self.capacity, self.prefill_chunk = capacity, prefill_chunk
+        self.layers = model.model.layers
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        parameter = next(model.parameters())
+        shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.lengths = [0] * slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(tokens.to(self.device))
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` tokens."""
+        self.lengths[slot] = length
+
+    @torch.no_grad()
+    def prefill(self, slot: int, prompt: list[int], all_features: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start ``slot`` afresh with ``prompt`` in chunks → logits at the last position (V,), features
+        (P, S, H) at every position if ``all_features`` else (1, S, H) at the last one."""
+        self.truncate(slot, 0)
+        features = []
+        for start in range(0, len(prompt), self.prefill_chunk):
+            chunk = torch.tensor([prompt[start : start + self.prefill_chunk]], device=self.device)
+            logits, chunk_features = self.forward([slot], chunk, logits_at_last=True, features_at_last=not all_features)
+            features.append(chunk_features[0])
+        return logits[0, -1], torch.cat(features) if all_features else features[-1]
+
+    @torch.no_grad()
+    def forward(self, slots: list[int], tokens: torch.Tensor, logits_at_last: bool = False, features_at_last: bool = False):
+        """Append ``tokens`` (B, Q) to ``slots`` → logits (B, Q or 1, V) and features (B, Q or 1, S, H)
+        (S = 0 when no layer is captured)."""
+        B, Q = tokens.shape
+        starts = torch.tensor([self.lengths[s] for s in slots], device=self.device)
+        span = int(starts.max()) + Q
+        if span > self.capacity:
+            raise DliteError(f"the sequence needs {span} tokens of KV cache, more than the engine's capacity of {self.capacity}")
+        self._reserve(span)
+        positions = starts[:, None] + torch.arange(Q, device=self.device)  # (B, Q)
+        rows = self._rows(slots)
+        mask = None
+        if B > 1 or Q > 1:  # key j is visible to query (b, i) iff j ≤ positions[b, i]
+            mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]  # (B, 1, Q, span)
+        inner = self.model.model
+        h = inner.embed_tokens(tokens.to(self.device))
+        cos, sin = inner.rotary_emb(h, positions)
+        captured = []
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention(index, layer.self_attn, layer.input_layernorm(h), (cos, sin), rows, positions, span, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if index in self.capture_layers:
+                captured.append(h[:, -1:] if features_at_last else h)
+        for slot in slots:
+            self.lengths[slot] += Q
+        if captured:
+            features = torch.stack(captured, dim=2)
+        else:
+            features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
+        h = inner.norm(h[:, -1:] if logits_at_last else h)
+        return self.model.lm_head(h), features
+
+    def _reserve(self, span: int) -> None:
+        """Grow the cache (doubling, up to ``capacity``) so that every slot holds ``span`` tokens."""
+        allocated = self.keys[0].shape[2]
+        if span <= allocated:
+            return
+        grown = min(self.capacity, max(span, 2 * allocated))
+        pad = lambda t: F.pad(t, (0, 0, 0, grown - allocated))  # noqa: E731
+        self.keys = [pad(k) for k in self.keys]
+        self.values = [pad(v) for v in self.values]
+
+    def _rows(self, slots: list[int]):
+        """An index for the cache's slot dimension: a slice (a view, no copy) when the slots are contiguous."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return torch.tensor(slots, device=self.device)
+
+    def _attention(self, index, attention, x, rope_cos_sin, rows, positions, span, mask):
+        B, Q, _ = x.shape
+        q = attention.q_proj(x).view(B, Q, -1, self.head_dim)
+        k = attention.k_proj(x).view(B, Q, -1, self.head_dim)
+        v = attention.v_proj(x).view(B, Q, -1, self.head_dim)
+        if hasattr(attention, "q_norm"):  # qwen3
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope_cos_sin)
+        k = apply_rope(k.transpose(1, 2), *rope_cos_sin)
+        keys, values = self.keys[index], self.values[index]
+        row_index = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
+        keys[row_index[:, None], :, positions] = k.transpose(1, 2)  # (B, Q, kv_heads, d) at each row's positions
+        values[row_index[:, None], :, positions] = v
+        out = F.scaled_dot_product_attention(
+            q, keys[rows, :, :span], values[rows, :, :span], attn_mask=mask, scale=attention.scaling, enable_gqa=self.heads != self.kv_heads
+        )
+        return attention.o_proj(out.transpose(1, 2).reshape(B, Q, -1))

@@ -1,0 +1,297 @@
+"""The speculative-decoding engine: output identical to the target's own, for every drafter."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dlite_cli import engine as engine_module
+from dlite_cli.config import DrafterConfig, TargetConfig
+from dlite_cli.drafters import Draft, NoDrafter, load_proposer
+from dlite_cli.errors import DliteError
+from dlite_cli.engine import Engine, Request, SamplingParams, probabilities
+from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
+from dlite_cli.runner import TargetRunner
+from dlite_cli.targets import load_target
+
+K = 4
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def micro(cache_dir):
+    model, tokenizer, _ = load_target(TargetConfig(model="micro"), log=lambda _: None)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(micro):
+    """A short, a medium and a long prompt (the long one is prefilled in several chunks)."""
+    _, tokenizer = micro
+    import argparse
+
+    text = open(argparse.__file__).read()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [ids[100:105], ids[2000:2060], ids[5000:5700]]
+
+
+@pytest.fixture(scope="module")
+def reference(micro, prompts):
+    """Plain greedy decoding with the Hugging Face model itself, no cache: the ground truth."""
+    model, _ = micro
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(micro, tmp_path_factory):
+    """Untrained checkpoints of every kind, saved and loaded the way users' exports are."""
+    model, _ = micro
+    dirs = {}
+    for name, window, head in (("dlite", 0, True), ("parallel", 0, False), ("teacher", FULL_HISTORY, True), ("window3", 3, True)):
+        spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16, sequential_head=head), window)
+        torch.manual_seed(0)
+        dirs[name] = tmp_path_factory.mktemp(name)
+        Drafter(spec).save(dirs[name])
+    return dirs
+
+
+class OracleDrafter(NoDrafter):
+    """Proposes the reference continuation, wrong at output indices 3 and 5 mod 7: accepts 1..K per round."""
+
+    name, draft_tokens = "oracle", K
+
+    def __init__(self, prompts, reference):
+        self.answers = {tuple(p): r for p, r in zip(prompts, reference)}
+
+    def propose(self, rows, pick):
+        tokens = torch.zeros(len(rows), K, dtype=torch.long)
+        for b, row in enumerate(rows):
+            answer = self.answers[tuple(row.prompt_ids)]
+            done = len(row.output_ids)
+            for i in range(K):
+                index = done + i
+                right = answer[index] if index < len(answer) else 0
+                tokens[b, i] = (right + 1) % 512 if index % 7 in (3, 5) else right
+        return Draft(tokens, [K] * len(rows), None)
+
+
+def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=()):
+    model, tokenizer = micro
+    runner = TargetRunner(model, proposer.target_layers, slots=slots, capacity=capacity, prefill_chunk=chunk)
+    return Engine(runner, proposer, set(eos), lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def proposer_for(name, micro, drafter_dirs, prompts, reference):
+    model, _ = micro
+    if name == "oracle":
+        return OracleDrafter(prompts, reference)
+    if name in drafter_dirs:
+        return load_proposer(str(drafter_dirs[name]), None, model, capacity=1024, dtype="float32")
+    return load_proposer(name, None, model, capacity=1024, ngram_tokens=K)
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "dlite", "parallel", "teacher", "window3", "oracle"])
+def test_greedy_output_is_the_targets_own_batched_and_alone(name, micro, drafter_dirs, prompts, reference):
+    """Three mixed-length prompts through two slots (the third joins when a row leaves), then each alone."""
+    proposer = proposer_for(name, micro, drafter_dirs, prompts, reference)
+    budgets = [NEW_TOKENS, NEW_TOKENS - 7, NEW_TOKENS]  # rows finish at different rounds
+    requests = [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    engine = make_engine(micro, proposer)
+    engine.run(requests)
+    for request, expected, budget in zip(requests, reference, budgets):
+        assert request.output_ids == expected[:budget] and request.finish_reason == "length"
+    for prompt, expected in zip(prompts, reference):
+        (alone,) = make_engine(micro, proposer, slots=1).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
+        assert alone.output_ids == expected
+    stats = engine.stats
+    assert stats.generated_tokens == sum(budgets) and stats.prompt_tokens == sum(map(len, prompts))
+    assert 1 <= stats.tau <= K + 1
+    if name == "oracle":
+        assert stats.tau > 2 and 0 < stats.accepted[2] < stats.accepted[1]
+    if name in ("teacher", "window3"):
+        assert stats.draft_kv_bytes > 0
+    else:
+        assert stats.draft_kv_bytes == 0
+
+
+def test_rollback_leaves_the_cache_of_the_accepted_tokens_alone(micro, prompts, reference):
+    engine = make_engine(micro, OracleDrafter(prompts, reference), slots=1)
+    request = Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))
+    engine.add(request)
+    for _ in range(4):
+        engine.step()
+    assert request.finish_reason is None and request.stats.rounds == 4
+    runner = engine.runner
+    length = runner.lengths[request.slot]
+    assert length == request.position  # everything before the anchor, nothing rejected
+    fresh = make_engine(micro, NoDrafter(), slots=1).runner
+    fresh.prefill(0, request.tokens[:length], all_features=False)
+    for layer in range(len(runner.keys)):
+        assert torch.allclose(runner.keys[layer][0, :, :length], fresh.keys[layer][0, :, :length], atol=1e-5)
+        assert torch.allclose(runner.values[layer][0, :, :length], fresh.values[layer][0, :, :length], atol=1e-5)
+
+
+def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_dirs, prompts, reference):
+    """The teacher's draft KV cache, grown round by round, equals its keys/values computed at once."""
+    model, _ = micro
+    proposer = load_proposer(str(drafter_dirs["teacher"]), None, model, capacity=1024, dtype="float32")
+    teacher_propose = proposer.propose
+    oracle = OracleDrafter(prompts, reference)
+
+    def propose(rows, pick):  # the teacher drafts (reading its cache), the oracle's tokens get accepted
+        teacher_propose(rows, pick)
+        return oracle.propose(rows, pick)
+
+    proposer.propose = propose
+    engine = make_engine(micro, proposer, slots=1)
+    request = Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))
+    engine.add(request)
+    for _ in range(6):
+        engine.step()
+    keys, values, length = proposer.cache[request.slot]
+    assert length == request.position - 1 and request.stats.committed > 2 * request.stats.rounds  # grown by accepted runs
+    runner = TargetRunner(model, proposer.target_layers, slots=1, capacity=1024)
+    _, features = runner.prefill(0, request.tokens[:length], all_features=True)
+    expected = proposer.drafter.history_kv(features.flatten(1)[None])
+    for layer, (k, v) in enumerate(expected):
+        assert torch.allclose(keys[layer][:, :, :length], k, atol=1e-4)
+        assert torch.allclose(values[layer][:, :, :length], v, atol=1e-4)
+    # and drafting from the cache is drafting from the whole history at once (the training path)
+    context, embeds = request.pivot[None], model.get_input_embeddings()(torch.tensor([request.anchor]))
+    at_once = proposer.drafter.history(features.flatten(1)[None], torch.ones(1, length, dtype=torch.bool), torch.tensor([request.position]))
+    assert torch.allclose(proposer.drafter.hidden(context, embeds, proposer._history([request])), proposer.drafter.hidden(context, embeds, at_once), atol=1e-4)
+
+
+def test_eos_stop_strings_and_budget(micro, prompts, reference):
+    _, tokenizer = micro
+    proposer = OracleDrafter(prompts, reference)
+    eos = reference[1][9]
+    (ended,) = make_engine(micro, proposer, eos=[eos]).run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
+    first = reference[1].index(eos)
+    assert ended.finish_reason == "stop" and ended.output_ids == reference[1][: first + 1]
+    full_text = tokenizer.decode(reference[1], skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    (stopped,) = make_engine(micro, proposer).run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS, stop=(stop,)))])
+    assert stopped.finish_reason == "stop" and stopped.text == full_text[: full_text.index(stop)]
+    for budget in (1, 2, 5):  # a round may accept more than the budget leaves
+        (short,) = make_engine(micro, proposer).run([Request(prompts[1], SamplingParams(max_new_tokens=budget))])
+        assert short.output_ids == reference[1][:budget] and short.finish_reason == "length"
+
+
+def test_requests_that_cannot_fit_are_refused(micro):
+    engine = make_engine(micro, NoDrafter(), capacity=64)
+    with pytest.raises(DliteError, match="more than the engine's 64"):
+        engine.add(Request(list(range(10, 80))))
+    with pytest.raises(DliteError, match="empty"):
+        engine.add(Request([]))
+    with pytest.raises(DliteError, match="top_p"):
+        engine.add(Request([5, 6], SamplingParams(temperature=1.0, top_p=0)))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SelfDrafter(NoDrafter):
+    """Drafts by sampling the target itself at a sharper temperature: q overlaps p but differs from it."""
+
+    name, draft_tokens = "self", 2
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, rows, pick):
+        tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
+        logits = torch.zeros(len(rows), self.draft_tokens, self.model.config.vocab_size)
+        for i in range(self.draft_tokens):
+            for b, row in enumerate(rows):
+                ids = row.tokens + tokens[b, :i].tolist()
+                logits[b, i] = 3 * self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            tokens[:, i] = pick(logits[:, i])  # the engine's picker samples each row's q
+        return Draft(tokens, [self.draft_tokens] * len(rows), logits)
+
+
+def exact_marginals(model, prompt, params, positions):
+    """p(x_j) for j = 1..positions under the target's own sampling, by enumerating the top-k tree."""
+    marginals, frontier = [], [(list(prompt), 1.0)]
+    for _ in range(positions):
+        total = torch.zeros(model.config.vocab_size)
+        grown = []
+        for ids, weight in frontier:
+            p = probabilities(model(input_ids=torch.tensor([ids])).logits[0, -1], params)
+            total += weight * p
+            grown += [(ids + [t], weight * float(p[t])) for t in p.nonzero().flatten().tolist()]
+        marginals.append(total)
+        frontier = grown
+    return marginals
+
+
+def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
+    """Pearson's test at level 0.001 (categories with expected count < 5 pooled)."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).float()
+    big = expected * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big] * n, (expected[~big] * n).sum()[None]])
+    keep = wanted > 0
+    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = 3.09  # upper 0.001 quantile of the normal; Wilson–Hilferty for the chi-square quantile
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return statistic < critical
+
+
+def sampled_positions(micro, prompt, params, count):
+    model, _ = micro
+    engine = make_engine(micro, SelfDrafter(model), slots=16)
+    requests = [Request(prompt, SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i)) for i in range(count)]
+    with torch.no_grad():
+        engine.run(requests)
+    assert engine.stats.rounds > 0 and 0 < sum(engine.stats.accepted) < sum(engine.stats.proposed)  # drafts kept and rejected
+    return [[r.output_ids[j] for r in requests] for j in range(3)]
+
+
+def test_speculative_sampling_matches_the_targets_distribution_and_a_broken_rule_does_not(micro, prompts, monkeypatch):
+    model, _ = micro
+    params = SamplingParams(temperature=0.05, top_k=5)
+    with torch.no_grad():
+        expected = exact_marginals(model, prompts[0], params, 3)
+    samples = sampled_positions(micro, prompts[0], params, 600)
+    assert all(chi_square_passes(s, e) for s, e in zip(samples, expected))
+    # the classic bug: after a rejection, resample from p instead of the residual max(p − q, 0)
+    monkeypatch.setattr(engine_module, "residual_distribution", lambda p, q: p)
+    broken = sampled_positions(micro, prompts[0], params, 600)
+    assert not all(chi_square_passes(s, e) for s, e in zip(broken[1:], expected[1:]))
+
+
+def test_sampling_is_reproducible_and_batch_independent(micro, prompts):
+    model, _ = micro
+    params = dict(max_new_tokens=8, temperature=0.05, top_k=5)
+    batched = [Request(prompts[0], SamplingParams(**params, seed=s)) for s in range(4)]
+    make_engine(micro, SelfDrafter(model), slots=4).run(batched)
+    for request in batched:
+        (alone,) = make_engine(micro, SelfDrafter(model), slots=1).run([Request(prompts[0], SamplingParams(**params, seed=request.params.seed))])
+        assert alone.output_ids == request.output_ids
+    assert len({tuple(r.output_ids) for r in batched}) > 1
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_generate_command(run_cli, tmp_path, drafter_dirs):
+    done = run_cli("generate", "--target", "micro", "--drafter", "ngram", "--prompt", "def main():", "--max-new-tokens", "12", "--json")
+    result = json.loads(done.stdout)
+    assert result["generated_tokens"] == 12 and 1 <= result["tau"] <= 8 and isinstance(result["text"], str)
+    done = run_cli("generate", "--target", "micro", "--drafter", str(drafter_dirs["dlite"]), "-p", "x = 1", "--max-new-tokens", "6")
+    assert "tau" in done.stderr and done.stdout.strip()
+    missing = run_cli("generate", "--target", "micro", "-p", "hi", check=False)
+    assert missing.returncode == 2 and "no dlite drafter in runs/micro" in missing.stderr
+    unknown = run_cli("generate", "--target", "micro", "--drafter", "eagle", "-p", "hi", check=False)
+    assert unknown.returncode == 2 and "unknown drafter 'eagle'" in unknown.stderr
