@@ -47,9 +47,10 @@ def test_shapes(target, window, options):
     anchors = torch.tensor([5, 12, 28])
     batch = anchor_batch(sequence, anchors, K, window)
     embeds = target.get_input_embeddings()(batch.anchor)
-    logits = drafter(batch.context, embeds, batch.previous, batch.history_for(drafter))
+    logits = drafter(batch.context, embeds, batch.previous, **batch.history)
     assert logits.shape == (3, K, target.config.vocab_size)
-    tokens, draft_logits = drafter.draft(batch.context, embeds, batch.anchor, batch.history_for(drafter))
+    history = drafter.history(**batch.history) if window != 0 else None
+    tokens, draft_logits = drafter.draft(batch.context, embeds, batch.anchor, history)
     assert tokens.shape == (3, K) and torch.equal(tokens, draft_logits.argmax(-1))
     assert batch.valid.tolist()[2] == [True, False, False, False]  # anchor 28 of 30 tokens has one label
     assert ("history_fuse.weight" in drafter.state_dict()) == (window != 0)
@@ -69,7 +70,7 @@ def test_w0_is_history_free_and_the_teacher_is_not(target):
         for label, sequence in (("original", original), ("changed", changed)):
             batch = anchor_batch(sequence, anchor, K, window)
             embeds = target.get_input_embeddings()(batch.anchor)
-            outputs[window, label] = drafter(batch.context, embeds, batch.previous, batch.history_for(drafter))
+            outputs[window, label] = drafter(batch.context, embeds, batch.previous, **batch.history)
     assert torch.equal(outputs[0, "original"], outputs[0, "changed"])
     assert not torch.allclose(outputs[FULL_HISTORY, "original"], outputs[FULL_HISTORY, "changed"])
 

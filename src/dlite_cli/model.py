@@ -337,9 +337,10 @@ class Drafter(nn.Module):
             x = layer(x, slots, rope_q, rope_slots, history.kv[index] if history is not None else None, mask)
         return self.norm(x[:, 1:])
 
-    def forward(self, context, anchor_embeds, previous, history: History | None = None):
-        """Teacher-forced logits (B, K, V); previous (B, K) = [anchor, y_1..y_{K−1}]."""
-        return self.head(self.hidden(context, anchor_embeds, history), previous)
+    def forward(self, context, anchor_embeds, previous, **history):
+        """Teacher-forced logits (B, K, V); previous (B, K) = [anchor, y_1..y_{K−1}].  W ≠ 0 (training):
+        ``history`` holds Drafter.history's arguments, turned into the draft KV cache inside forward."""
+        return self.head(self.hidden(context, anchor_embeds, self.history(**history) if history else None), previous)
 
     @torch.no_grad()
     def draft(self, context, anchor_embeds, anchor, history: History | None = None, pick=greedy_pick):

@@ -31,7 +31,7 @@ from .config import Config, TrainConfig, config_hash
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
-from .model import FULL_HISTORY, Drafter, DrafterSpec, History
+from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
 from .targets import load_model, prepare_target
 
@@ -93,10 +93,6 @@ class AnchorBatch:
     def previous(self) -> torch.Tensor:
         """Teacher-forced inputs of the sequential head: [anchor, y_1..y_{K−1}] (B, K)."""
         return torch.cat([self.anchor[:, None], self.labels[:, :-1].clamp(min=0)], dim=1)
-
-    def history_for(self, drafter: Drafter) -> History | None:
-        """The drafter's view of this batch's history (None for a history-free drafter)."""
-        return drafter.history(**self.history) if drafter.spec.history_window != 0 else None
 
     @property
     def target_greedy(self) -> torch.Tensor:
@@ -265,12 +261,13 @@ class Trainer:
         batch = batch.to(device)
         with torch.no_grad():
             anchor_embeds = self.target_model.get_input_embeddings()(batch.anchor).float()
-        logits = drafter(batch.context, anchor_embeds, batch.previous, batch.history_for(drafter))
+        own_history = batch.history if self.spec.history_window != 0 else {}
+        logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
         if self.plan.loss == "ce":
             return cross_entropy(logits, batch.labels, batch.valid, self.weights)
         if self.plan.loss == "kl":
             with torch.no_grad():
-                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, batch.history_for(teacher))
+                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
             return forward_kl(teacher_logits, logits, batch.valid, self.weights)
         return stable_loss(
             logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, self.weights, self.train.lambda_ce, self.train.lambda_tv
@@ -298,7 +295,7 @@ class Trainer:
                 greedy = batch.target_greedy
                 # feeding the target's tokens is exact: the drafter's own choices only matter while they agree
                 previous = torch.cat([batch.anchor[:, None], greedy[:, :-1]], dim=1)
-                logits = drafter(batch.context, embed(batch.anchor).float(), previous, batch.history_for(drafter))
+                logits = drafter(batch.context, embed(batch.anchor).float(), previous, **batch.history)
                 accepted.append(((logits.argmax(-1) == greedy) & batch.valid).long().cumprod(dim=1).cpu())
             run = torch.cat(accepted)
             runs.append(run)
