@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from . import __version__
 from .errors import DliteError
 
-STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "bench")
+STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "stable-parallel", "bench")
 
 
 @contextmanager

@@ -26,7 +26,7 @@ TargetOption = Annotated[
     str,
     typer.Option("--target", "-t", help="Config name in configs/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path."),
 ]
-RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory [default: runs/<target>].")]
+RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<target>).")]
 SetOption = Annotated[
     Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
 ]
@@ -132,9 +132,10 @@ def stable(
     set_: SetOption = None,
     force: ForceOption = False,
     from_scratch: Annotated[bool, typer.Option("--from-scratch", help="Single-stage baseline: skip teacher and warmup (Figure 5).")] = False,
+    parallel: Annotated[bool, typer.Option("--parallel", help="Single-stage, without the sequential head: the pure-parallel ablation.")] = False,
 ) -> None:
     """Stage 2: train DLite against the target (λ_CE·CE + λ_TV·TV); its export is the drafter to serve."""
-    _train("stable-scratch" if from_scratch else "stable", target, run_dir, set_, force)
+    _train("stable-parallel" if parallel else "stable-scratch" if from_scratch else "stable", target, run_dir, set_, force)
 
 
 @app.command()

@@ -147,8 +147,8 @@ class DecodeConfig:
     """The speculative-decoding engine (``generate``, ``bench``, ``serve``); never changes what was trained."""
 
     # The drafter only proposes, so its precision cannot change the output.  bfloat16 halves the
-    # memory its vocabulary projection reads per draft token: measured here, a smollm2-135m draft block
-    # takes about 15 ms instead of 35 ms.
+    # memory its vocabulary projection reads per draft token: measured here, a smollm2-135m draft round
+    # takes 22 ms instead of 39 ms, with the same tau (1.271 vs 1.273 on held-out chats).
     draft_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)

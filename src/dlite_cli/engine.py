@@ -78,7 +78,9 @@ class Stats:
         return self.committed / self.rounds if self.rounds else 1.0
 
     def as_dict(self) -> dict:
-        per_step = lambda seconds: round(1000 * seconds / self.steps, 3) if self.steps else 0.0  # noqa: E731
+        def per_step(seconds: float) -> float:
+            return round(1000 * seconds / self.steps, 3) if self.steps else 0.0
+
         return {
             "tau": round(self.tau, 4),
             "prompt_tokens": self.prompt_tokens,
@@ -186,10 +188,10 @@ def accept_greedy(target_logits: torch.Tensor, draft: torch.Tensor, lengths: tor
 class Engine:
     """Continuous batching over a TargetRunner's slots with one drafter (drafters.py)."""
 
-    def __init__(self, runner, drafter, eos_ids: set[int], decode, max_batch: int | None = None):
-        self.runner, self.drafter, self.eos_ids, self.decode = runner, drafter, set(eos_ids), decode
-        self.max_batch = max_batch or len(runner.lengths)
-        self.free = list(range(min(self.max_batch, len(runner.lengths))))[::-1]
+    def __init__(self, runner, drafter, eos_ids: set[int], detokenize):
+        """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot."""
+        self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
+        self.free = list(range(len(runner.lengths)))[::-1]
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
@@ -267,12 +269,12 @@ class Engine:
         t1 = _now(device)
         logits, features = self.runner.forward([row.slot for row in rows], tokens)
         t2 = _now(device)
-        lengths = torch.tensor(draft.lengths)
-        greedy_n, greedy_next = accept_greedy(logits.cpu(), tokens[:, 1:], lengths)
+        greedy_n, greedy_next = accept_greedy(logits, tokens[:, 1:].to(device), torch.tensor(draft.lengths, device=device))
+        greedy_n, greedy_next = greedy_n.tolist(), greedy_next.tolist()
         extend_seconds = 0.0
         for b, row in enumerate(rows):
             if row.params.greedy:
-                n, next_token = int(greedy_n[b]), int(greedy_next[b])
+                n, next_token = greedy_n[b], greedy_next[b]
             else:
                 L = draft.lengths[b]
                 draft_logits = draft.logits[b, :L] if draft.logits is not None else None
@@ -331,7 +333,7 @@ class Engine:
             if len(request.output_ids) >= params.max_new_tokens:
                 return self._finish(request, "length")
         if params.stop:
-            text = self.decode(request.output_ids)
+            text = self.detokenize(request.output_ids)
             if any(stop in text for stop in params.stop):
                 return self._finish(request, "stop")
         if request.position + self.drafter.draft_tokens + 1 > self.runner.capacity:
@@ -347,7 +349,7 @@ class Engine:
     def text_of(self, request: Request) -> str:
         """The output text so far: without the EOS token and cut before the first stop string."""
         ids = request.output_ids[:-1] if request.output_ids and request.output_ids[-1] in self.eos_ids else request.output_ids
-        text = self.decode(ids)
+        text = self.detokenize(ids)
         cuts = [text.find(stop) for stop in request.params.stop if stop in text]
         return text[: min(cuts)] if cuts else text
 

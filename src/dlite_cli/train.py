@@ -4,6 +4,7 @@
     warmup          W = 0, forward KL to the frozen teacher (initialised from the teacher's shared weights)
     stable          W = 0, λ_CE·CE + λ_TV·TV against the target (initialised from warmup)
     stable-scratch  the same loss from random weights, for warmup + stable epochs (Figure 5's baseline)
+    stable-parallel as stable-scratch, without the sequential head (the pure-parallel ablation)
 
 A global batch is ``train.global_batch`` sequences, each giving up to
 ``train.anchors_per_sample`` anchors (resampled every epoch, seeded).  Under
@@ -43,6 +44,7 @@ class StagePlan:
     loss: str  # ce | kl | stable
     epochs: int
     init_from: str | None  # stage whose export initialises the drafter (warmup: also the frozen teacher)
+    sequential_head: bool = True  # False: the pure-parallel ablation, whatever drafter.sequential_head says
 
 
 def stage_plan(name: str, train: TrainConfig) -> StagePlan:
@@ -52,6 +54,7 @@ def stage_plan(name: str, train: TrainConfig) -> StagePlan:
         "warmup": StagePlan("warmup", 0, "kl", train.warmup_epochs, "train-teacher"),
         "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup"),
         "stable-scratch": StagePlan("stable-scratch", 0, "stable", train.warmup_epochs + train.stable_epochs, None),
+        "stable-parallel": StagePlan("stable-parallel", 0, "stable", train.warmup_epochs + train.stable_epochs, None, sequential_head=False),
     }
     return plans[name]
 
@@ -167,9 +170,10 @@ class Trainer:
         init = self._upstream(self.plan.init_from) if self.plan.init_from else None
         target = prepare_target(self.config.target, self.log)
         self.target_model = load_model(target, self.config.target.dtype).requires_grad_(False)
-        self.spec = DrafterSpec.for_target(self.target_model.config, self.config.drafter, self.plan.history_window)
+        drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.config.drafter.sequential_head and self.plan.sequential_head)
+        self.spec = DrafterSpec.for_target(self.target_model.config, drafter_config, self.plan.history_window)
         inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
-        recorded = {"train": dataclasses.asdict(self.train), "drafter": dataclasses.asdict(self.config.drafter), "plan": dataclasses.asdict(self.plan)}
+        recorded = {"train": dataclasses.asdict(self.train), "drafter": dataclasses.asdict(drafter_config), "plan": dataclasses.asdict(self.plan)}
         digest = config_hash(recorded, inputs)
         if self.accelerator.is_main_process:
             fresh = self.stage.begin(digest, recorded, inputs, force)
