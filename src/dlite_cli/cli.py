@@ -183,6 +183,25 @@ def generate(
 
 
 @app.command()
+def serve(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    drafter: Annotated[str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")] = "dlite",
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    max_batch: Annotated[Optional[int], typer.Option(min=1, help="Requests decoded together [default: decode.max_batch].")] = None,
+    max_queue: Annotated[int, typer.Option(min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
+    max_context: Annotated[Optional[int], typer.Option(min=16, help="Longest prompt + completion in tokens [default: the target's].")] = None,
+) -> None:
+    """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
+    from .serve import serve as run_server
+
+    config = _load(target, set_)
+    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, log)
+
+
+@app.command()
 def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing."""
     from .artifacts import stage_rows

@@ -104,7 +104,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)  # the anchor is the last one while decoding
     text: str = ""
-    finish_reason: str | None = None  # stop | length
+    finish_reason: str | None = None  # stop | length | cancelled
     stats: Stats | None = None
     slot: int = -1
     pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
@@ -196,8 +196,8 @@ class Engine:
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
 
-    def add(self, request: Request) -> None:
-        """Queue a request; refused, in one sentence, if it can never fit."""
+    def validate(self, request: Request) -> None:
+        """Refuse, in one sentence, a request that can never be decoded (changes nothing: thread-safe)."""
         request.params.check()
         need = len(request.prompt_ids) + self.drafter.draft_tokens + 2
         if not request.prompt_ids:
@@ -207,6 +207,10 @@ class Engine:
                 f"the prompt has {len(request.prompt_ids)} tokens; with {self.drafter.draft_tokens} draft tokens it needs "
                 f"{need} of KV cache, more than the engine's {self.runner.capacity}"
             )
+
+    def add(self, request: Request) -> None:
+        """Queue a request (validated first)."""
+        self.validate(request)
         request.stats = Stats(self.drafter.draft_tokens, prompt_tokens=len(request.prompt_ids))
         seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
         request.generator = torch.Generator().manual_seed(seed)
@@ -240,6 +244,7 @@ class Engine:
         """Drop a request at once (a client went away), freeing its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
+            request.finish_reason = "cancelled"
         elif request in self.active:
             self._finish(request, "cancelled")
 

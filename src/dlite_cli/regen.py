@@ -38,6 +38,8 @@ from .progress import progress_bar
 from .prompts import Prompt, Skipped, plan_prompts
 from .targets import load_model, load_tokenizer, prepare_target
 
+RETRIES = 6  # attempts per request with the openai backend
+
 
 @dataclass
 class Completion:
@@ -144,13 +146,18 @@ class OpenAIBackend:
             "seed": seed,
             "chat_template_kwargs": {"enable_thinking": self.thinking},
         }
-        for _ in range(3):  # retry transport errors and 5xx
+        wait = 0.0
+        for attempt in range(RETRIES):  # retry transport errors, 429 (busy) and 5xx, backing off
+            time.sleep(min(wait, 30.0))
+            wait = 0.5 * 2**attempt
             try:
                 response = self.client.post("/chat/completions", json=body)
-                if response.status_code < 500:
-                    break
             except httpx.TransportError as e:
                 response = e
+                continue
+            if response.status_code < 500 and response.status_code != 429:
+                break
+            wait = float(response.headers.get("retry-after", wait))
         if isinstance(response, Exception) or response.status_code != 200:
             return f"server error: {response if isinstance(response, Exception) else response.text[:200]}"
         choice = response.json()["choices"][0]
