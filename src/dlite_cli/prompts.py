@@ -114,11 +114,11 @@ def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
         yield from _stdlib_prompts()
         return
     if source.path is not None:
-        records = _local_records(Path(source.path).expanduser(), source.name)
+        records = local_records(Path(source.path).expanduser(), source.name)
     elif source.name == "sharegpt":
-        records = _json_array_records(wheel_file(SHAREGPT_WHEEL, SHAREGPT_JSON), source.name)
+        records = json_array_records(wheel_file(SHAREGPT_WHEEL, SHAREGPT_JSON), source.name)
     else:
-        records = _hub_records(HUB_IDS[source.name])
+        records = hub_records(HUB_IDS[source.name])
     to_prompt = _nemotron_prompt if source.name == "nemotron-v2" else _sharegpt_prompt
     for index, record in enumerate(records):
         if isinstance(record, Skipped):
@@ -165,7 +165,7 @@ def _nemotron_prompt(record: dict, source: str) -> Prompt:
 # ---------------------------------------------------------------- record readers
 
 
-def _local_records(path: Path, source: str) -> Iterator[dict | Skipped]:
+def local_records(path: Path, source: str) -> Iterator[dict | Skipped]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
         if not files:
@@ -176,9 +176,9 @@ def _local_records(path: Path, source: str) -> Iterator[dict | Skipped]:
         raise DliteError(f"the local file or directory {path} for source {source} does not exist")
     for file in files:
         if file.suffix == ".jsonl":
-            yield from _jsonl_records(file, source)
+            yield from jsonl_records(file, source)
         elif file.suffix == ".json":
-            yield from _json_array_records(file, source)
+            yield from json_array_records(file, source)
         elif file.suffix == ".parquet":
             import datasets
 
@@ -187,7 +187,7 @@ def _local_records(path: Path, source: str) -> Iterator[dict | Skipped]:
             raise DliteError(f"{file}: expected a .jsonl, .json or .parquet file for source {source}")
 
 
-def _jsonl_records(path: Path, source: str) -> Iterator[dict | Skipped]:
+def jsonl_records(path: Path, source: str) -> Iterator[dict | Skipped]:
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -198,7 +198,7 @@ def _jsonl_records(path: Path, source: str) -> Iterator[dict | Skipped]:
                 yield Skipped(f"{source}:{path.name}:{number}", source, f"line {number} is not valid JSON ({e.msg})")
 
 
-def _json_array_records(path: Path, source: str) -> Iterator[dict | Skipped]:
+def json_array_records(path: Path, source: str) -> Iterator[dict | Skipped]:
     """Records of a JSON array, one at a time; a truncated file yields its complete records."""
     text = path.read_text()
     decoder = json.JSONDecoder()
@@ -217,15 +217,20 @@ def _json_array_records(path: Path, source: str) -> Iterator[dict | Skipped]:
         yield record
 
 
-def _hub_records(hub_id: str) -> Iterator[dict]:
-    """All splits of a hub data set, streamed and interleaved round-robin."""
+def hub_records(hub_id: str, name: str | None = None, split: str | None = None) -> Iterator[dict]:
+    """A hub data set (configuration ``name``), streamed: one ``split``, or all splits interleaved round-robin."""
     import datasets
 
     try:
-        splits = datasets.load_dataset(hub_id, streaming=True)
+        splits = datasets.load_dataset(hub_id, name, streaming=True)
     except Exception as e:  # the hub raises many types; the user needs the sentence
         raise DliteError(f"could not load the hub data set {hub_id} ({type(e).__name__}: {e})") from None
-    iterators = [iter(splits[name]) for name in sorted(splits)]
+    if split is not None:
+        if split not in splits:
+            raise DliteError(f"the hub data set {hub_id} has no split {split!r} (it has {', '.join(splits)})")
+        yield from splits[split]
+        return
+    iterators = [iter(splits[each]) for each in sorted(splits)]
     for group in itertools.zip_longest(*iterators):
         yield from (record for record in group if record is not None)
 

