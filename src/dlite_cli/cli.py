@@ -202,6 +202,31 @@ def serve(
 
 
 @app.command()
+def bench(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    suite: Annotated[str, typer.Option(help="general, long, agentic or all.")] = "all",
+    workload: Annotated[Optional[str], typer.Option(help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories.")] = "ar,dlite,history,parallel,ngram",
+    limit: Annotated[int, typer.Option(min=1, help="Episodes per workload.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per assistant turn.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy: every method writes the same text).")] = 0.0,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels for Table 4, comma-separated ('' to skip).")] = "1,4,16,64",
+    data: Annotated[Optional[list[str]], typer.Option(help="WORKLOAD=PATH_OR_HUB_ID: where a workload's data is (repeatable).")] = None,
+    force: ForceOption = False,
+) -> None:
+    """Benchmark methods side by side and write the paper's Tables 1-4, plots and summary.md (resumable)."""
+    from .bench import Bench, plan_from
+
+    config = _load(target, set_)
+    plan = plan_from(suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [])
+    directory = _run_dir(config, run_dir)
+    if not Bench(config, directory, plan, log).run(force=force):
+        log(f"the bench in {directory / 'bench'} is already done with this plan; tables rewritten")
+
+
+@app.command()
 def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing."""
     from .artifacts import stage_rows

@@ -1,0 +1,288 @@
+"""The bench's tables and plots, laid out like the paper's, with its published rows beside ours.
+
+    table1_general_tau      τ on the general workloads
+    table2_longbench_v2     speedup and τ on the LongBench v2 subsets
+    table3_agentic          speedup and τ on the agentic workloads
+    table4_throughput       tokens/s and speedup vs autoregressive at each concurrency
+
+Each is written as Markdown, CSV, JSON and LaTeX under ``<run>/bench/``.  Every row names its
+target, method, drafter checkpoint and hardware; the paper's rows come from
+``configs/paper_results.yaml`` and a cell it does not publish stays empty.  A value measured on a
+synthetic stand-in is marked ``(synthetic)``.  Plots: τ vs context length, throughput vs
+concurrency, acceptance by draft position; ``summary.md`` links it all.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+from .artifacts import atomic_write_json, atomic_write_text
+from .config import CONFIG_DIRS
+from .workloads import BY_NAME
+
+PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
+CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def paper_results() -> dict:
+    for directory in CONFIG_DIRS:
+        path = directory / "paper_results.yaml"
+        if path.is_file():
+            return yaml.safe_load(path.read_text())
+    return {}
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
+    """(workload, method) → τ, decode time per token, tokens/s, times per round, acceptance, source."""
+    groups: dict[tuple[str, str], dict] = {}
+    for record in results:
+        group = groups.setdefault((record["workload"], record["method"]), {
+            "rounds": 0, "committed": 0, "tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
+            "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"], "draft_kv_bytes": 0,
+        })
+        group["episodes"] += 1
+        for turn in record["turns"]:
+            if "skipped" in turn:
+                continue
+            group["rounds"] += turn["rounds"]
+            group["committed"] += turn["committed"]
+            group["tokens"] += turn["generated_tokens"]
+            group["decode_s"] += turn["draft_s"] + turn["verify_s"] + turn["overhead_s"]
+            group["prefill_s"] += turn["prefill_s"]
+            group["draft_s"] += turn["draft_s"]
+            group["verify_s"] += turn["verify_s"]
+            group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
+            for key in ("proposed", "accepted"):
+                group[key] = [a + b for a, b in zip(group[key], turn[key])] if group[key] else list(turn[key])
+    out = {}
+    for (workload, method), g in groups.items():
+        per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
+        ar = groups.get((workload, "ar"))
+        ar_per_token = ar["decode_s"] / ar["tokens"] if ar and ar["tokens"] else None
+        out[workload, method] = {
+            "tau": g["committed"] / g["rounds"] if g["rounds"] else None,
+            "speedup": ar_per_token / per_token if ar_per_token and per_token else None,
+            "tokens_per_s": g["tokens"] / g["decode_s"] if g["decode_s"] else None,
+            "draft_ms_per_round": 1000 * g["draft_s"] / g["rounds"] if g["rounds"] else None,
+            "verify_ms_per_round": 1000 * g["verify_s"] / g["rounds"] if g["rounds"] else None,
+            "prefill_s": g["prefill_s"],
+            "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
+            "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"],
+            "draft_kv_bytes": g["draft_kv_bytes"],
+        }
+    return out
+
+
+def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """method → [(context bin upper bound, τ of the turns whose context falls in it)]."""
+    bins: dict[str, dict[int, list[int]]] = {}
+    for record in results:
+        for turn in record["turns"]:
+            if "skipped" in turn or not turn["rounds"]:
+                continue
+            bound = next((b for b in CONTEXT_BINS if turn["context_tokens"] <= b), CONTEXT_BINS[-1])
+            cell = bins.setdefault(record["method"], {}).setdefault(bound, [0, 0])
+            cell[0] += turn["committed"]
+            cell[1] += turn["rounds"]
+    return {m: [(b, c / r) for b, (c, r) in sorted(cells.items())] for m, cells in bins.items()}
+
+
+# ---------------------------------------------------------------- tables
+
+
+class Table:
+    """Columns and rows of one table; rows are dicts keyed by column name."""
+
+    def __init__(self, name: str, title: str, columns: list[str]):
+        self.name, self.title, self.columns, self.rows, self.notes = name, title, columns, [], []
+
+    def write(self, directory: Path) -> None:
+        atomic_write_text(directory / f"{self.name}.md", self.markdown())
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, self.columns)
+        writer.writeheader()
+        writer.writerows({c: row.get(c, "") for c in self.columns} for row in self.rows)
+        atomic_write_text(directory / f"{self.name}.csv", buffer.getvalue())
+        atomic_write_json(directory / f"{self.name}.json", {"title": self.title, "columns": self.columns, "rows": self.rows, "notes": self.notes})
+        atomic_write_text(directory / f"{self.name}.tex", self.latex())
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(str(row.get(c, "")) for c in self.columns) + " |" for row in self.rows]
+        return "\n".join(lines + [""] + [f"- {note}" for note in self.notes]) + "\n"
+
+    def latex(self) -> str:
+        escape = lambda text: str(text).replace("\\", r"\textbackslash{}").replace("&", r"\&").replace("%", r"\%").replace("_", r"\_").replace("#", r"\#")  # noqa: E731
+        lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{escape(self.title)}}}", r"\begin{tabular}{" + "l" * len(self.columns) + "}", r"\toprule"]
+        lines.append(" & ".join(escape(c) for c in self.columns) + r" \\")
+        lines.append(r"\midrule")
+        lines += [" & ".join(escape(row.get(c, "")) for c in self.columns) + r" \\" for row in self.rows]
+        lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+        return "\n".join(lines) + "\n"
+
+
+def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
+    if value is None:
+        return ""
+    text = f"{value:.{digits}f}"
+    return f"{text} (synthetic)" if source.startswith("synthetic") else text
+
+
+ROW_KEYS = ["target", "method", "drafter", "hardware"]
+
+
+def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
+    stats = aggregate(results)
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    paper = paper_results()
+    setup = paper.get("setup", {})
+    paper_hardware = f"{setup.get('hardware', '?')} ({setup.get('engine', '?')})"
+    tables = []
+    specs = [
+        ("table1_general_tau", "Table 1: acceptance length τ on general workloads", "general", ("tau",), "table1_general_tau"),
+        ("table2_longbench_v2", "Table 2: speedup and τ on LongBench v2", "long", ("speedup", "tau"), "table2_longbench_v2"),
+        ("table3_agentic", "Table 3: speedup and τ on agentic workloads", "agentic", ("speedup", "tau"), "table3_agentic"),
+    ]
+    for name, title, suite, metrics, paper_key in specs:
+        published = paper.get(paper_key, {})
+        workloads = published.get("workloads") or [w.name for w in BY_NAME.values() if w.suite == suite and w.name != "sharegpt"]
+        columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
+        table = Table(name, title, columns)
+        for method in methods:
+            row = {"target": target, "method": method, "drafter": _drafter_of(stats, method), "hardware": hardware}
+            for w in workloads:
+                cell = stats.get((w, method))
+                for m in metrics:
+                    column = f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip()
+                    row[column] = _cell(cell and cell[m], source=cell["source"] if cell else "")
+            table.rows.append(row)
+        for metric in metrics:
+            for model, by_method in (published.get(metric) or {}).items():
+                for paper_method, values in by_method.items():
+                    row = next((r for r in table.rows if r.get("_paper") == (model, paper_method)), None)
+                    if row is None:
+                        row = {"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "hardware": paper_hardware, "_paper": (model, paper_method)}
+                        table.rows.append(row)
+                    for w, value in zip(workloads, values):
+                        row[f"{BY_NAME[w].title} {metric if len(metrics) > 1 else ''}".strip()] = _cell(value)
+        for row in table.rows:
+            row.pop("_paper", None)
+        for w in workloads:
+            if w in unavailable.get("workloads", {}):
+                table.notes.append(f"{BY_NAME[w].title}: not measured — {unavailable['workloads'][w]}")
+            elif any(stats.get((w, m), {}).get("source", "").startswith("synthetic") for m in methods):
+                table.notes.append(f"{BY_NAME[w].title}: {next(stats[w, m]['source'] for m in methods if (w, m) in stats)}")
+        table.notes += [f"method {m}: not run — {reason}" for m, reason in unavailable.get("methods", {}).items()]
+        table.notes.append("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side")
+        tables.append(table)
+    table = Table("table4_throughput", "Table 4: throughput vs concurrency", ROW_KEYS + ["workload", "concurrency", "tokens/s", "speedup"])
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in throughput if r["method"] == "ar"}
+    for r in throughput:
+        speedup = r["tokens_per_s"] / ar[r["concurrency"]] if r["concurrency"] in ar else None
+        table.rows.append({"target": target, "method": r["method"], "drafter": _drafter_of(stats, r["method"]), "hardware": hardware,
+                           "workload": BY_NAME[r["workload"]].title, "concurrency": r["concurrency"],
+                           "tokens/s": _cell(r["tokens_per_s"], 1), "speedup": _cell(speedup)})
+    for model, by_workload in (paper.get("table4_throughput") or {}).items():
+        for workload, by_method in by_workload.items():
+            for paper_method, levels in by_method.items():
+                for level, cell in levels.items():
+                    table.rows.append({"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "hardware": paper_hardware,
+                                       "workload": BY_NAME[workload].title, "concurrency": level,
+                                       "tokens/s": _cell(cell.get("tps"), 0), "speedup": _cell(cell.get("speedup"))})
+    table.notes.append("tokens/s over the whole batch, prefill included; every slot serves two requests")
+    tables.append(table)
+    return tables
+
+
+def _drafter_of(stats: dict, method: str) -> str:
+    return next((s["drafter"] for (w, m), s in stats.items() if m == method), method)
+
+
+# ---------------------------------------------------------------- plots and summary
+
+
+def write_plots(directory: Path, results: list[dict], throughput: list[dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    by_context = tau_by_context(results)
+    if by_context:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for method, points in by_context.items():
+            axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
+        axis.set(xscale="log", xlabel="context tokens (bin upper bound)", ylabel="τ (tokens per verify round)", title="τ vs context length")
+        axis.legend()
+        written.append(_save(figure, directory / "tau_vs_context.png"))
+    if throughput:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        for method in dict.fromkeys(r["method"] for r in throughput):
+            points = sorted((r["concurrency"], r["tokens_per_s"]) for r in throughput if r["method"] == method)
+            axis.plot([c for c, _ in points], [t for _, t in points], marker="o", label=method)
+        axis.set(xscale="log", xlabel="concurrency", ylabel="tokens/s", title="throughput vs concurrency")
+        axis.legend()
+        written.append(_save(figure, directory / "throughput_vs_concurrency.png"))
+    stats = aggregate(results)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(m for _, m in stats):
+        proposed = accepted = None
+        for record in results:
+            if record["method"] != method:
+                continue
+            for turn in record["turns"]:
+                if "skipped" not in turn and turn["proposed"]:
+                    proposed = [a + b for a, b in zip(proposed, turn["proposed"])] if proposed else list(turn["proposed"])
+                    accepted = [a + b for a, b in zip(accepted, turn["accepted"])] if accepted else list(turn["accepted"])
+        if proposed:
+            axis.plot(range(1, len(proposed) + 1), [a / p if p else 0 for a, p in zip(accepted, proposed)], marker="o", label=method)
+    if axis.lines:
+        axis.set(xlabel="draft position", ylabel="acceptance rate", title="acceptance by draft position (all workloads)")
+        axis.legend()
+        written.append(_save(figure, directory / "acceptance_by_position.png"))
+    plt.close("all")
+    return written
+
+
+def _save(figure, path: Path) -> str:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path.name
+
+
+def write_report(directory: Path, target: str, hardware: str) -> list[str]:
+    """Tables, plots and summary.md from the bench's files in ``directory``; → the files written."""
+    from .bench import read_lines
+
+    results, throughput = read_lines(directory / "results.jsonl"), read_lines(directory / "concurrency.jsonl")
+    unavailable = json.loads((directory / "unavailable.json").read_text()) if (directory / "unavailable.json").exists() else {}
+    tables = build_tables(results, throughput, unavailable, target, hardware)
+    for table in tables:
+        table.write(directory)
+    plots = write_plots(directory, results, throughput)
+    stats = aggregate(results)
+    detail = Table("details", "All workloads, every measurement", ["workload", "method", "source", "episodes", "tokens", "tau", "speedup",
+                                                                    "tokens/s", "draft ms/round", "verify ms/round", "prefill s", "draft KV MB", "acceptance"])
+    for (workload, method), s in sorted(stats.items()):
+        detail.rows.append({"workload": workload, "method": method, "source": s["source"], "episodes": s["episodes"], "tokens": s["tokens"],
+                            "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]), "tokens/s": _cell(s["tokens_per_s"], 1),
+                            "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
+                            "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
+                            "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})
+    detail.write(directory)
+    lines = [f"# dlite bench: {target} on {hardware}", ""]
+    lines += [f"- [{t.title}]({t.name}.md) ([csv]({t.name}.csv), [json]({t.name}.json), [tex]({t.name}.tex))" for t in tables + [detail]]
+    lines += [f"- ![{p}]({p})" for p in plots]
+    lines += ["", *[table.markdown() for table in tables]]
+    atomic_write_text(directory / "summary.md", "\n".join(lines))
+    return [f"{t.name}.{ext}" for t in tables + [detail] for ext in ("md", "csv", "json", "tex")] + plots + ["summary.md"]
+
