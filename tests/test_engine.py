@@ -8,7 +8,7 @@ import torch
 
 from dlite_cli import engine as engine_module
 from dlite_cli.config import DrafterConfig, TargetConfig
-from dlite_cli.drafters import Draft, NoDrafter, load_proposer
+from dlite_cli.drafters import Draft, NgramDrafter, NoDrafter, load_proposer
 from dlite_cli.errors import DliteError
 from dlite_cli.engine import Engine, Request, SamplingParams, probabilities
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
@@ -130,13 +130,28 @@ def test_rollback_leaves_the_cache_of_the_accepted_tokens_alone(micro, prompts, 
         engine.step()
     assert request.finish_reason is None and request.stats.rounds == 4
     runner = engine.runner
-    length = runner.lengths[request.slot]
+    length = runner.length(request.slot)
     assert length == request.position  # everything before the anchor, nothing rejected
     fresh = make_engine(micro, NoDrafter(), slots=1).runner
     fresh.prefill(0, request.tokens[:length], all_features=False)
     for layer in range(len(runner.keys)):
         assert torch.allclose(runner.keys[layer][0, :, :length], fresh.keys[layer][0, :, :length], atol=1e-5)
         assert torch.allclose(runner.values[layer][0, :, :length], fresh.values[layer][0, :, :length], atol=1e-5)
+
+
+def test_a_next_turn_reuses_the_slots_cache_and_decodes_the_same(micro, prompts, reference):
+    """Turn 2 = turn 1's prompt and answer plus more text: only the new tokens are prefilled."""
+    first = Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))
+    engine = make_engine(micro, NgramDrafter(K), slots=1)
+    engine.run([first])
+    follow_up = first.prompt_ids + first.output_ids + prompts[0]
+    (reusing,) = engine.run([Request(follow_up, SamplingParams(max_new_tokens=8))])
+    (fresh,) = make_engine(micro, NoDrafter(), slots=1).run([Request(follow_up, SamplingParams(max_new_tokens=8))])
+    assert reusing.output_ids == fresh.output_ids
+    # the slot held the prompt and the output (its last token too if it was an accepted draft)
+    held = len(first.prompt_ids) + len(first.output_ids)
+    assert held - 1 <= reusing.stats.reused_prompt_tokens <= held
+    assert fresh.stats.reused_prompt_tokens == 0
 
 
 def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_dirs, prompts, reference):
@@ -159,7 +174,7 @@ def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_d
     keys, values, length = proposer.cache[request.slot]
     assert length == request.position - 1 and request.stats.committed > 2 * request.stats.rounds  # grown by accepted runs
     runner = TargetRunner(model, proposer.target_layers, slots=1, capacity=1024)
-    _, features = runner.prefill(0, request.tokens[:length], all_features=True)
+    _, features, _ = runner.prefill(0, request.tokens[:length], all_features=True)
     expected = proposer.drafter.history_kv(features.flatten(1)[None])
     for layer, (k, v) in enumerate(expected):
         assert torch.allclose(keys[layer][:, :, :length], k, atol=1e-4)

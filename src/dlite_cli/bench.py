@@ -172,6 +172,7 @@ class Bench:
             turns.append({
                 "turn": index, "context_tokens": len(ids), "generated_tokens": stats.generated_tokens,
                 "rounds": stats.rounds, "committed": stats.committed, "prefill_s": stats.prefill_seconds,
+                "reused_prompt_tokens": stats.reused_prompt_tokens,
                 "draft_s": stats.draft_seconds, "verify_s": stats.verify_seconds, "overhead_s": stats.overhead_seconds,
                 "proposed": stats.proposed, "accepted": stats.accepted, "draft_kv_bytes": stats.draft_kv_bytes,
                 "output_sha": hashlib.sha1(json.dumps(request.output_ids).encode()).hexdigest()[:12],

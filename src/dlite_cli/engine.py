@@ -57,6 +57,7 @@ class Stats:
 
     draft_tokens: int = 0  # K
     prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # of those, found in the slot's cache and not computed again
     generated_tokens: int = 0
     rounds: int = 0  # verify rounds, per row
     committed: int = 0  # tokens accepted by those rounds (accepted drafts + the target's own token)
@@ -84,6 +85,7 @@ class Stats:
         return {
             "tau": round(self.tau, 4),
             "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
             "acceptance": [round(a / p, 4) if p else None for a, p in zip(self.accepted, self.proposed)],
@@ -191,7 +193,7 @@ class Engine:
     def __init__(self, runner, drafter, eos_ids: set[int], detokenize):
         """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
-        self.free = list(range(len(runner.lengths)))[::-1]
+        self.free = list(range(runner.slots))[::-1]
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
@@ -253,7 +255,7 @@ class Engine:
     def _prefill(self, request: Request) -> None:
         start = _now(self.runner.device)
         request.slot = self.free.pop()
-        logits, features = self.runner.prefill(request.slot, request.prompt_ids, all_features=self.drafter.needs_all_features)
+        logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, all_features=self.drafter.needs_all_features)
         first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
         request.pivot = features[-1]
         self.active.append(request)
@@ -262,6 +264,8 @@ class Engine:
         request.stats.prefill_seconds += seconds
         self.stats.prefill_seconds += seconds
         self.stats.prompt_tokens += len(request.prompt_ids)
+        for stats in (request.stats, self.stats):
+            stats.reused_prompt_tokens += reused
         self._emit(request, [first])
 
     def _round(self, rows: list[Request]) -> list[Request]:

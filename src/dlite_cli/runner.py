@@ -3,9 +3,9 @@ weights with a KV cache in which every row (slot) has its own length.
 
     keys[l], values[l]   (slots, kv_heads, allocated, head_dim) per target layer l; allocated grows
                          by doubling up to ``capacity``, the longest sequence the runner accepts
-    lengths[slot]        tokens of that slot already in the cache
+    cached[slot]         the token ids whose keys/values that slot holds
 
-``forward(slots, tokens)`` appends ``tokens`` (B, Q) after each slot's current length and returns
+``forward(slots, tokens)`` appends ``tokens`` (B, Q) after each slot's current tokens and returns
 logits and the hidden states of the drafter's S layers; ``truncate(slot, n)`` rolls a slot back to
 its accepted length (entries beyond it are masked now and overwritten later).  Rows of different
 lengths share one batched pass, which is what lets each row accept its own number of tokens.
@@ -41,7 +41,7 @@ class TargetRunner:
         shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
-        self.lengths = [0] * slots
+        self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
 
     @property
     def device(self) -> torch.device:
@@ -50,28 +50,44 @@ class TargetRunner:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens.to(self.device))
 
+    @property
+    def slots(self) -> int:
+        return len(self.cached)
+
+    def length(self, slot: int) -> int:
+        return len(self.cached[slot])
+
     def truncate(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` tokens."""
-        self.lengths[slot] = length
+        del self.cached[slot][length:]
 
     @torch.no_grad()
-    def prefill(self, slot: int, prompt: list[int], all_features: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start ``slot`` afresh with ``prompt`` in chunks → logits at the last position (V,), features
-        (P, S, H) at every position if ``all_features`` else (1, S, H) at the last one."""
-        self.truncate(slot, 0)
+    def prefill(self, slot: int, prompt: list[int], all_features: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Start ``slot`` on ``prompt`` → logits at the last position (V,), features (P, S, H) at every
+        position if ``all_features`` else (1, S, H) at the last one, and how many prompt tokens were reused.
+
+        The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
+        a shared system prompt) is kept and only the rest is computed, in chunks — unless every
+        position's features are needed."""
+        reused = 0
+        if not all_features:
+            held = self.cached[slot]
+            while reused < min(len(held), len(prompt) - 1) and held[reused] == prompt[reused]:
+                reused += 1
+        self.truncate(slot, reused)
         features = []
-        for start in range(0, len(prompt), self.prefill_chunk):
+        for start in range(reused, len(prompt), self.prefill_chunk):
             chunk = torch.tensor([prompt[start : start + self.prefill_chunk]], device=self.device)
             logits, chunk_features = self.forward([slot], chunk, logits_at_last=True, features_at_last=not all_features)
             features.append(chunk_features[0])
-        return logits[0, -1], torch.cat(features) if all_features else features[-1]
+        return logits[0, -1], torch.cat(features) if all_features else features[-1], reused
 
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: torch.Tensor, logits_at_last: bool = False, features_at_last: bool = False):
         """Append ``tokens`` (B, Q) to ``slots`` → logits (B, Q or 1, V) and features (B, Q or 1, S, H)
         (S = 0 when no layer is captured)."""
         B, Q = tokens.shape
-        starts = torch.tensor([self.lengths[s] for s in slots], device=self.device)
+        starts = torch.tensor([self.length(s) for s in slots], device=self.device)
         span = int(starts.max()) + Q
         if span > self.capacity:
             raise DliteError(f"the sequence needs {span} tokens of KV cache, more than the engine's capacity of {self.capacity}")
@@ -90,8 +106,8 @@ class TargetRunner:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
-        for slot in slots:
-            self.lengths[slot] += Q
+        for slot, row in zip(slots, tokens.tolist()):
+            self.cached[slot] += row
         if captured:
             features = torch.stack(captured, dim=2)
         else:
