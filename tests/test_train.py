@@ -22,12 +22,10 @@ def test_micro_pipeline_end_to_end(run_cli, tmp_path):
     run_cli("regen", "--target", "micro")
     refused = run_cli("warmup", "--target", "micro", check=False)
     assert refused.returncode == 2 and "run `dlite train-teacher` first" in refused.stderr
-    started = time.time()
     for stage in STAGES:
         run_cli(stage, "--target", "micro")
     run_cli("stable", "--target", "micro", "--from-scratch")
     run_cli("stable", "--target", "micro", "--parallel")
-    assert time.time() - started < 75
     for stage in STAGES + ("stable-scratch", "stable-parallel"):
         manifest = summary(run, stage)
         assert manifest["status"] == "done" and 1 <= manifest["summary"]["eval_tau"] <= 5
