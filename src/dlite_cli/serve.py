@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import threading
 import time
@@ -269,8 +270,6 @@ class Metrics:
 def resident_memory() -> int:
     """This process's resident set size in bytes (Linux; 0 elsewhere)."""
     try:
-        import os
-
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
@@ -289,7 +288,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool = Fals
 
     def error_response(e: ApiError) -> JSONResponse:
         worker.metrics.errors[e.status] = worker.metrics.errors.get(e.status, 0) + 1
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        headers = {"Retry-After": "1"} if e.status == 429 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(ApiError)
