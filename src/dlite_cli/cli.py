@@ -30,6 +30,9 @@ RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", help="Run dir
 SetOption = Annotated[
     Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
 ]
+DrafterOption = Annotated[
+    str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")
+]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
 
 
@@ -73,7 +76,7 @@ def regen(
     backend: Annotated[Optional[str], typer.Option(help="hf (transformers), openai (a server) or sglang (offline engine).")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight with the openai backend.")] = 16,
-    model: Annotated[Optional[str], typer.Option(help="Model name on the server [default: its first model].")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name on the server (default: its first model).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N prompts of the plan.")] = None,
     shard: Annotated[str, typer.Option(help="Run worker i of n: i/n. Workers share the run directory.")] = "0/1",
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
@@ -144,7 +147,7 @@ def generate(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    drafter: Annotated[str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")] = "dlite",
+    drafter: DrafterOption = "dlite",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens.")] = 128,
     temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0, max=1, help="Nucleus sampling mass.")] = 1.0,
@@ -187,12 +190,12 @@ def serve(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    drafter: Annotated[str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")] = "dlite",
+    drafter: DrafterOption = "dlite",
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
-    max_batch: Annotated[Optional[int], typer.Option(min=1, help="Requests decoded together [default: decode.max_batch].")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(min=1, help="Requests decoded together (default: decode.max_batch).")] = None,
     max_queue: Annotated[int, typer.Option(min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
-    max_context: Annotated[Optional[int], typer.Option(min=16, help="Longest prompt + completion in tokens [default: the target's].")] = None,
+    max_context: Annotated[Optional[int], typer.Option(min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
     from .serve import serve as run_server
