@@ -28,7 +28,7 @@ import torch
 from .artifacts import Stage, atomic_write_json
 from .config import Config, config_hash
 from .drafters import load_proposer, resolve_drafter_path
-from .engine import Engine, Request, SamplingParams
+from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .progress import progress_bar
 from .regen import chat_prompt_ids
@@ -99,6 +99,7 @@ class Bench:
         self._clean_torn_tail()
         unavailable = {"workloads": {}, "methods": {}}
         self.engines, self.drafters = {}, {}
+        eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
         for method in self.plan.methods:
             name = METHOD_NAMES.get(method, method)
@@ -109,7 +110,7 @@ class Bench:
                 unavailable["methods"][method] = str(e)
                 continue
             runner = TargetRunner(model, proposer.target_layers, 1, capacity, self.config.decode.prefill_chunk)
-            self.engines[method] = Engine(runner, proposer, self._eos(model), self._detokenize)
+            self.engines[method] = Engine(runner, proposer, eos, detokenize)
         episodes = {}
         for name in self.plan.workloads:
             result = load(BY_NAME[name], self.plan.data.get(name), self.plan.limit)
@@ -210,13 +211,6 @@ class Bench:
                 self.log(f"concurrency {level} {method}: {tokens / seconds:.1f} tok/s, tau {wide.stats.tau:.2f}")
 
     # ----- helpers
-
-    def _eos(self, model) -> set[int]:
-        ids = model.generation_config.eos_token_id
-        return {self.tokenizer.eos_token_id, *(ids if isinstance(ids, list) else [ids])} - {None}
-
-    def _detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _clean_torn_tail(self) -> None:
         """Rewrite the result files without a line torn by a kill, so appends start clean."""

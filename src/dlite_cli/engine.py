@@ -381,10 +381,12 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     decode = config.decode
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype)
     runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk)
-    eos = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} - {None}
-    detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return Engine(runner, proposer, eos, detokenize), tokenizer
+    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer)), tokenizer
 
 
-def _as_list(value) -> list:
-    return value if isinstance(value, list) else [value]
+def stop_tokens_and_text(model, tokenizer) -> tuple[set[int], object]:
+    """An Engine's ``eos_ids`` and ``detokenize`` for a target: the tokenizer's EOS plus the generation
+    config's, and decoding without special tokens."""
+    configured = model.generation_config.eos_token_id
+    eos = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
+    return eos, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
