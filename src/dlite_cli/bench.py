@@ -101,16 +101,24 @@ class Bench:
         self.engines, self.drafters = {}, {}
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
+        proposers = {}
         for method in self.plan.methods:
             name = METHOD_NAMES.get(method, method)
             try:
-                proposer = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype)
+                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype)
                 self.drafters[method] = name if name in ("none", "ngram") else str(resolve_drafter_path(name, self.stage.dir.parent))
             except DliteError as e:
                 unavailable["methods"][method] = str(e)
-                continue
-            runner = TargetRunner(model, proposer.target_layers, 1, capacity, self.config.decode.prefill_chunk)
-            self.engines[method] = Engine(runner, proposer, eos, detokenize)
+        # Methods share a runner where their drafters read the same target layers (those that read none
+        # join the first), so the prompt prefilled for one method is reused by the next on the same episode:
+        # prefill is the target's work alone, the same for every method, and excluded from the speedup.
+        shared = next((tuple(p.target_layers) for p in proposers.values() if p.target_layers), ())
+        runners = {}
+        for method, proposer in proposers.items():
+            layers = tuple(proposer.target_layers) or shared
+            if layers not in runners:
+                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk)
+            self.engines[method] = Engine(runners[layers], proposer, eos, detokenize)
         episodes = {}
         for name in self.plan.workloads:
             result = load(BY_NAME[name], self.plan.data.get(name), self.plan.limit)

@@ -278,6 +278,8 @@ def write_report(directory: Path, target: str, hardware: str) -> list[str]:
                             "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
                             "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
                             "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})
+    detail.notes.append("prefill s: the target's own work, shared: a method reuses the prompt keys/values an earlier method "
+                        "left on the same episode, except history drafters, which need every prompt position's features")
     detail.write(directory)
     lines = [f"# dlite bench: {target} on {hardware}", ""]
     lines += [f"- [{t.title}]({t.name}.md) ([csv]({t.name}.csv), [json]({t.name}.json), [tex]({t.name}.tex))" for t in tables + [detail]]
