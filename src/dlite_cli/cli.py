@@ -229,6 +229,39 @@ def bench(
         log(f"the bench in {directory / 'bench'} is already done with this plan; tables rewritten")
 
 
+@app.command("run")
+def run_command(
+    pipeline: Annotated[str, typer.Argument(help="Pipeline name in pipelines/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path.")],
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    first: Annotated[Optional[str], typer.Option("--from", help="Start at this stage (the earlier ones are not checked).")] = None,
+    last: Annotated[Optional[str], typer.Option("--until", help="Stop after this stage.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's command line and run nothing.")] = False,
+) -> None:
+    """Run a pipeline's stages in order, skipping finished ones and resuming a partial one; print each stage's share of the time."""
+    from .config import load_pipeline
+    from .pipeline import run_pipeline, timing_rows
+
+    chosen = load_pipeline(pipeline)
+    config = _load(chosen.target, set_)
+    directory = _run_dir(config, run_dir)
+    log(f"pipeline {chosen.name}: {chosen.description}" if chosen.description else f"pipeline {chosen.name}")
+    timings = run_pipeline(chosen, typer.main.get_command(app), directory, set_ or [], first, last, dry_run, log)
+    if dry_run:
+        return
+    table = Table(title=f"dlite run {chosen.name}: wall time per stage ({directory})")
+    for column in ("stage", "time", "share", "disk"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for row in timing_rows(timings, directory):
+        seconds = row["seconds"]
+        shown = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+        table.add_row(row["stage"], shown, f"{100 * row['share']:.0f} %", _human_bytes(row["size"]) if row["size"] else "")
+    console.print(table)
+    summary = directory / "bench" / "summary.md"
+    if summary.is_file():
+        log(f"tables, plots and summary: {summary}")
+
+
 @app.command()
 def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing."""

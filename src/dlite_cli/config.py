@@ -24,8 +24,6 @@ import yaml
 from .errors import DliteError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-# Packaged wheels carry the configs inside the package; a source checkout keeps them at the top.
-CONFIG_DIRS = (PACKAGE_DIR / "configs", PACKAGE_DIR.parents[1] / "configs")
 DEFAULT_TARGET = "smollm2-135m"
 
 
@@ -174,32 +172,74 @@ class Config:
         return problems
 
 
+@dataclass
+class PipelineStage:
+    """One step of a pipeline: a dlite command line, run in process or under a launcher."""
+
+    name: str  # what --from / --until and the timing table call it
+    command: str = ""  # the dlite subcommand; default: the name
+    args: list[str] = field(default_factory=list)  # its options; --target, --run-dir and --set are added
+    # A multi-process launcher; ``-m dlite_cli COMMAND ARGS`` is appended, e.g.
+    # "accelerate launch --config_file configs/accelerate/gpu-8.yaml".  None = in this process.
+    launch: str | None = None
+
+
+@dataclass
+class Pipeline:
+    """``pipelines/<name>.yaml``: the stages ``dlite run`` runs in order, all with one target config."""
+
+    target: str  # config name or path (--target of every stage)
+    stages: list[PipelineStage]
+    name: str = ""  # defaults to the file's stem
+    description: str = ""
+
+    def check(self) -> list[tuple[str, str]]:
+        names = [stage.name for stage in self.stages]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        return [("stages", f"must have distinct names, {', '.join(duplicated)} repeats")] if duplicated else []
+
+
 # ---------------------------------------------------------------- loading
 
 
-def find_config(target: str) -> Path:
-    """``--target NAME`` → ``configs/NAME.yaml``; a path to a YAML file works too."""
-    as_path = Path(target)
+def _search_dirs(kind: str) -> tuple[Path, ...]:
+    """Where ``configs`` or ``pipelines`` live: inside a packaged wheel, or at the top of a checkout."""
+    return (PACKAGE_DIR / kind, PACKAGE_DIR.parents[1] / kind)
+
+
+CONFIG_DIRS = _search_dirs("configs")
+
+
+def find_yaml(name: str, kind: str = "configs") -> Path:
+    """``NAME`` → ``<kind>/NAME.yaml`` (kind: configs or pipelines); a path to a YAML file works too."""
+    what = "target" if kind == "configs" else "pipeline"
+    as_path = Path(name)
     if as_path.suffix in (".yaml", ".yml"):
         if not as_path.is_file():
-            raise DliteError(f"config file {target} does not exist")
+            raise DliteError(f"{what} file {name} does not exist")
         return as_path
-    for directory in CONFIG_DIRS:
-        candidate = directory / f"{target}.yaml"
+    directories = _search_dirs(kind)
+    for directory in directories:
+        candidate = directory / f"{name}.yaml"
         if candidate.is_file():
             return candidate
-    known = sorted({p.stem for d in CONFIG_DIRS if d.is_dir() for p in d.glob("*.yaml")} - {"paper_results"})
-    raise DliteError(f"unknown target {target!r}: expected one of {', '.join(known)} or a path to a YAML file")
+    known = sorted({p.stem for d in directories if d.is_dir() for p in d.glob("*.yaml")} - {"paper_results"})
+    raise DliteError(f"unknown {what} {name!r}: expected one of {', '.join(known)} or a path to a YAML file")
 
 
-def load_config(target: str = DEFAULT_TARGET, overrides: list[str] = ()) -> Config:
-    path = find_config(target)
+def _read_mapping(path: Path) -> dict:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise DliteError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
-        raise DliteError(f"{path}: expected a mapping of sections at the top level")
+        raise DliteError(f"{path}: expected a mapping at the top level")
+    return raw
+
+
+def load_config(target: str = DEFAULT_TARGET, overrides: list[str] = ()) -> Config:
+    path = find_yaml(target)
+    raw = _read_mapping(path)
     for item in overrides:
         _apply_override(raw, item, path)
     config = _build(Config, raw, f"{path}", "")
@@ -207,6 +247,17 @@ def load_config(target: str = DEFAULT_TARGET, overrides: list[str] = ()) -> Conf
         raise DliteError(f"{path}: {key} {problem}")
     config.name = config.name or path.stem
     return config
+
+
+def load_pipeline(name: str) -> Pipeline:
+    path = find_yaml(name, "pipelines")
+    pipeline = _build(Pipeline, _read_mapping(path), f"{path}", "")
+    for key, problem in pipeline.check():
+        raise DliteError(f"{path}: {key} {problem}")
+    pipeline.name = pipeline.name or path.stem
+    for stage in pipeline.stages:
+        stage.command = stage.command or stage.name
+    return pipeline
 
 
 def _apply_override(raw: dict, item: str, path: Path) -> None:

@@ -1,0 +1,135 @@
+"""``dlite run PIPELINE``: the stages of ``pipelines/<name>.yaml`` in order, over one run directory.
+
+A pipeline stage is a ``dlite`` command line.  Every stage is resumable on its own (a finished
+one does nothing, a partial one continues, see artifacts.py), so the runner keeps no state of
+its own: run it again after a crash or a ``kill -9`` and it goes on where the stages stopped.
+Stages run in this process unless they name a ``launch`` prefix (``accelerate launch ...``),
+in which case they run as a child that dies with the runner.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import typer
+from typer.core import TyperGroup
+
+from .artifacts import STAGES, Stage, dir_size
+from .config import Pipeline, PipelineStage
+from .errors import DliteError
+
+
+@dataclass
+class StageTiming:
+    name: str
+    seconds: float
+    already_done: bool  # the stage was finished before this run started
+
+
+def select_stages(pipeline: Pipeline, first: str | None, last: str | None) -> list[PipelineStage]:
+    """The stages from ``first`` through ``last`` (inclusive; None = the ends)."""
+    names = [stage.name for stage in pipeline.stages]
+    for flag, name in (("--from", first), ("--until", last)):
+        if name is not None and name not in names:
+            raise DliteError(f"{flag} {name}: pipeline {pipeline.name} has no such stage (its stages: {', '.join(names)})")
+    start = names.index(first) if first else 0
+    stop = names.index(last) + 1 if last else len(names)
+    if start >= stop:
+        raise DliteError(f"--from {first} comes after --until {last} in pipeline {pipeline.name}")
+    return pipeline.stages[start:stop]
+
+
+def stage_argv(group: TyperGroup, pipeline: Pipeline, stage: PipelineStage, run_dir: Path, overrides: list[str]) -> list[str]:
+    """The stage's ``dlite`` arguments, checked by the command's own parser (nothing is run)."""
+    command = group.get_command(typer.Context(group), stage.command)
+    if command is None:
+        raise DliteError(f"pipeline {pipeline.name}, stage {stage.name}: {stage.command!r} is not a dlite command")
+    accepts = {param.name for param in command.params}
+    argv = [stage.command, *stage.args, "--target", pipeline.target]
+    if "run_dir" in accepts:
+        argv += ["--run-dir", str(run_dir)]
+    if "set_" in accepts:
+        argv += [arg for item in overrides for arg in ("--set", item)]
+    try:
+        command.make_context(stage.command, argv[1:], parent=typer.Context(group, info_name="dlite"))
+    except typer.TyperException as e:  # the parser's errors: unknown option, bad value, missing argument
+        message = e.format_message() if hasattr(e, "format_message") else str(e)  # with the option's name
+        raise DliteError(f"pipeline {pipeline.name}, stage {stage.name}: {message}") from None
+    return argv
+
+
+def launcher(stage: PipelineStage) -> list[str]:
+    """``stage.launch`` as an argv prefix, its program found on PATH or beside this Python."""
+    program, *rest = shlex.split(stage.launch)
+    beside = Path(sys.executable).parent / program
+    found = shutil.which(program) or (str(beside) if beside.is_file() else None)
+    if found is None:
+        raise DliteError(f"stage {stage.name}: launcher {program!r} is not installed (looked on PATH and in {beside.parent})")
+    return [found, *rest, "-m", "dlite_cli"]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the runner dies, even by SIGKILL (Linux), so no orphan keeps writing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _stage_done(run_dir: Path, stage: PipelineStage) -> bool:
+    """Whether the stage's folder holds a finished manifest (stages without a folder: False)."""
+    folder = stage.name if stage.name in STAGES else stage.command
+    if folder not in STAGES:
+        return False
+    manifest = Stage(run_dir, folder).manifest()
+    return manifest is not None and manifest["status"] == "done"
+
+
+def run_pipeline(
+    pipeline: Pipeline,
+    group: TyperGroup,
+    run_dir: Path,
+    overrides: list[str],
+    first: str | None = None,
+    last: str | None = None,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[StageTiming]:
+    """Run the selected stages of ``pipeline`` in order; return how long each took."""
+    stages = select_stages(pipeline, first, last)
+    commands = []
+    for stage in stages:  # every command line is checked before the first stage starts
+        argv = stage_argv(group, pipeline, stage, run_dir, overrides)
+        commands.append((stage, argv, launcher(stage) if stage.launch else None))
+    timings = []
+    for index, (stage, argv, prefix) in enumerate(commands, 1):
+        shown = shlex.join((prefix or ["dlite"]) + argv)
+        log(f"[{index}/{len(commands)}] {stage.name}: {shown}")
+        if dry_run:
+            continue
+        already_done = _stage_done(run_dir, stage)
+        start = time.perf_counter()
+        if prefix is None:
+            group.main(args=argv, prog_name="dlite", standalone_mode=False)
+        else:
+            done = subprocess.run(prefix + argv, preexec_fn=_die_with_parent)
+            if done.returncode != 0:
+                raise DliteError(f"stage {stage.name} failed with exit code {done.returncode}; run the pipeline again to resume it")
+        timings.append(StageTiming(stage.name, time.perf_counter() - start, already_done))
+    return timings
+
+
+def timing_rows(timings: list[StageTiming], run_dir: Path) -> list[dict]:
+    """One row per stage (name, seconds, share of the run, bytes on disk), then the total."""
+    total = sum(t.seconds for t in timings)
+    rows = [{"stage": t.name + (" (done before)" if t.already_done else ""), "seconds": t.seconds,
+             "share": t.seconds / total if total else 0.0, "size": dir_size(run_dir / t.name)} for t in timings]
+    return rows + [{"stage": "total", "seconds": total, "share": 1.0, "size": dir_size(run_dir)}]
