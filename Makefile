@@ -8,7 +8,7 @@ VENV ?= .venv
 # torch is installed first with an exact pin: on a CPU machine this takes the CPU build (a looser
 # spec can pull a multi-GB CUDA build); GPU users may set TORCH_SPEC to their own build.
 TORCH_SPEC ?= torch==2.13.0
-TARGET ?= smollm2-135m
+PIPELINE ?= smollm2-135m
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.dlite-installed
 
@@ -23,14 +23,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Every stage resumes: run it again after an interruption and it continues where it stopped.
 reproduce: $(STAMP)
-	$(BIN)/dlite prepare-target --target $(TARGET)
-	$(BIN)/dlite regen --target $(TARGET)
-	$(BIN)/dlite train-teacher --target $(TARGET)
-	$(BIN)/dlite warmup --target $(TARGET)
-	$(BIN)/dlite stable --target $(TARGET)
-	$(BIN)/dlite stable --from-scratch --target $(TARGET)
-	$(BIN)/dlite status --target $(TARGET)
+	$(BIN)/dlite run $(PIPELINE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
