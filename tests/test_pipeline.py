@@ -106,6 +106,11 @@ def test_kill_9_anywhere_then_run_again_gives_the_same_tables(run_cli, cache_dir
     )
     for ready, what in kill_points:
         process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if what == "mid-training":  # while one runner works in the run directory, a second is refused
+            while not (killed / "regen" / "manifest.json").exists():
+                time.sleep(0.02)
+            second = run_cli("run", "micro", *options, "--run-dir", str(killed), check=False)
+            assert second.returncode == 2 and f"is working in {killed}" in second.stderr
         _kill_when(process, ready, what)
     assert status(killed, "bench") == "running"
 

@@ -13,6 +13,7 @@ place, so a killed stage never leaves a file that looks complete.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -71,6 +72,23 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory for one ``dlite run`` at a time (the kernel lets go when the holder dies, even by kill -9)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".dlite-run.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise DliteError(f"another `dlite run` (pid {f.read().strip() or '?'}) is working in {run_dir}; "
+                             "wait for it to finish or stop it, then run again") from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
 
 
 def read_json(path: Path) -> Any:

@@ -4,7 +4,8 @@ A pipeline stage is a ``dlite`` command line.  Every stage is resumable on its o
 one does nothing, a partial one continues, see artifacts.py), so the runner keeps no state of
 its own: run it again after a crash or a ``kill -9`` and it goes on where the stages stopped.
 Stages run in this process unless they name a ``launch`` prefix (``accelerate launch ...``),
-in which case they run as a child that dies with the runner.
+in which case they run as a child that dies with the runner.  One runner at a time holds a
+run directory (a lock the kernel releases when the holder dies).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +24,7 @@ from typing import Callable
 import typer
 from typer.core import TyperGroup
 
-from .artifacts import STAGES, Stage, dir_size
+from .artifacts import STAGES, Stage, dir_size, run_dir_lock
 from .config import Pipeline, PipelineStage
 from .errors import DliteError
 
@@ -110,20 +112,20 @@ def run_pipeline(
         argv = stage_argv(group, pipeline, stage, run_dir, overrides)
         commands.append((stage, argv, launcher(stage) if stage.launch else None))
     timings = []
-    for index, (stage, argv, prefix) in enumerate(commands, 1):
-        shown = shlex.join((prefix or ["dlite"]) + argv)
-        log(f"[{index}/{len(commands)}] {stage.name}: {shown}")
-        if dry_run:
-            continue
-        already_done = _stage_done(run_dir, stage)
-        start = time.perf_counter()
-        if prefix is None:
-            group.main(args=argv, prog_name="dlite", standalone_mode=False)
-        else:
-            done = subprocess.run(prefix + argv, preexec_fn=_die_with_parent)
-            if done.returncode != 0:
-                raise DliteError(f"stage {stage.name} failed with exit code {done.returncode}; run the pipeline again to resume it")
-        timings.append(StageTiming(stage.name, time.perf_counter() - start, already_done))
+    with nullcontext() if dry_run else run_dir_lock(run_dir):
+        for index, (stage, argv, prefix) in enumerate(commands, 1):
+            log(f"[{index}/{len(commands)}] {stage.name}: {shlex.join((prefix or ['dlite']) + argv)}")
+            if dry_run:
+                continue
+            already_done = _stage_done(run_dir, stage)
+            start = time.perf_counter()
+            if prefix is None:
+                group.main(args=argv, prog_name="dlite", standalone_mode=False)
+            else:
+                done = subprocess.run(prefix + argv, preexec_fn=_die_with_parent)
+                if done.returncode != 0:
+                    raise DliteError(f"stage {stage.name} failed with exit code {done.returncode}; run the pipeline again to resume it")
+            timings.append(StageTiming(stage.name, time.perf_counter() - start, already_done))
     return timings
 
 
