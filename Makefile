@@ -12,7 +12,7 @@ PIPELINE ?= smollm2-135m
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.dlite-installed
 
-.PHONY: reproduce test install
+.PHONY: reproduce test install gpu-check
 
 install: $(STAMP)
 
@@ -29,3 +29,11 @@ reproduce: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# On a GPU machine whose python3 already has torch, transformers, accelerate, typer, rich, pyyaml and
+# pytest (no venv, no network): the tests on the GPU (less the server's, which need fastapi), the micro
+# pipeline end to end, and the decode profile at Qwen3-4B's shapes.  Not part of `make test`.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -x --ignore tests/test_serve.py
+	PYTHONPATH=src $(PYTHON) -m dlite_cli run micro --run-dir runs/gpu-check-micro
+	PYTHONPATH=src $(PYTHON) -m dlite_cli profile --target qwen3-4b

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dlite_cli.devices import resolve_device
+
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = resolve_device("auto")  # the device policy's choice: tests run there unless they say they need the CPU
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, TargetConfig
 from dlite_cli.model import Drafter, DrafterSpec
 from dlite_cli.targets import load_model, prepare_target
@@ -25,7 +26,7 @@ TABLES = ("table1_general_tau", "table2_longbench_v2", "table3_agentic", "table4
 def bench_dir(cache_dir, tmp_path_factory):
     """One micro bench over every suite: autoregressive, n-gram and an (untrained) DLite checkpoint."""
     workdir = tmp_path_factory.mktemp("bench")
-    model = load_model(prepare_target(TargetConfig(model="micro"), log=lambda _: None), "float32")
+    model = load_model(prepare_target(TargetConfig(model="micro"), log=lambda _: None), "float32", DEVICE)
     spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=4, num_layers=1, head_rank=16), 0)
     torch.manual_seed(0)
     Drafter(spec).save(workdir / "mydrafter")

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICE
 from dlite_cli import engine as engine_module
 from dlite_cli.config import DrafterConfig, TargetConfig
 from dlite_cli.drafters import Draft, NgramDrafter, NoDrafter, load_proposer
@@ -45,7 +46,7 @@ def reference(micro, prompts):
         for prompt in prompts:
             ids = list(prompt)
             for _ in range(NEW_TOKENS):
-                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                ids.append(int(model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1].argmax()))
             out.append(ids[len(prompt) :])
     return out
 
@@ -83,9 +84,9 @@ class OracleDrafter(NoDrafter):
         return Draft(tokens, [K] * len(rows), None)
 
 
-def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=()):
+def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=(), path="eager"):
     model, tokenizer = micro
-    runner = TargetRunner(model, proposer.target_layers, slots=slots, capacity=capacity, prefill_chunk=chunk)
+    runner = TargetRunner(model, proposer.target_layers, slots=slots, capacity=capacity, prefill_chunk=chunk, path=path)
     return Engine(runner, proposer, set(eos), lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
@@ -98,18 +99,20 @@ def proposer_for(name, micro, drafter_dirs, prompts, reference):
     return load_proposer(name, None, model, capacity=1024, ngram_tokens=K)
 
 
+@pytest.mark.parametrize("path", ["eager", "static"])
 @pytest.mark.parametrize("name", ["none", "ngram", "dlite", "parallel", "teacher", "window3", "oracle"])
-def test_greedy_output_is_the_targets_own_batched_and_alone(name, micro, drafter_dirs, prompts, reference):
-    """Three mixed-length prompts through two slots (the third joins when a row leaves), then each alone."""
+def test_greedy_output_is_the_targets_own_batched_and_alone(name, path, micro, drafter_dirs, prompts, reference):
+    """Three mixed-length prompts through two slots (the third joins when a row leaves; on the static
+    path the bucket of two then pads the slot that is free), then each alone."""
     proposer = proposer_for(name, micro, drafter_dirs, prompts, reference)
     budgets = [NEW_TOKENS, NEW_TOKENS - 7, NEW_TOKENS]  # rows finish at different rounds
     requests = [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
-    engine = make_engine(micro, proposer)
+    engine = make_engine(micro, proposer, path=path)
     engine.run(requests)
     for request, expected, budget in zip(requests, reference, budgets):
         assert request.output_ids == expected[:budget] and request.finish_reason == "length"
     for prompt, expected in zip(prompts, reference):
-        (alone,) = make_engine(micro, proposer, slots=1).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
+        (alone,) = make_engine(micro, proposer, slots=1, path=path).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
         assert alone.output_ids == expected
     stats = engine.stats
     assert stats.generated_tokens == sum(budgets) and stats.prompt_tokens == sum(map(len, prompts))
@@ -120,6 +123,27 @@ def test_greedy_output_is_the_targets_own_batched_and_alone(name, micro, drafter
         assert stats.draft_kv_bytes > 0
     else:
         assert stats.draft_kv_bytes == 0
+
+
+def test_static_path_pads_rows_to_buckets_and_decodes_the_same(micro, prompts, reference):
+    """Seven requests through five slots on fixed shapes: rows join and leave, passes are padded to the
+    buckets 1, 2, 4 and the five slots, padding rows included, and every output is the target's own."""
+    engine = make_engine(micro, OracleDrafter(prompts, reference), slots=5, path="static")
+    passes = []  # (bucket, tokens per row, rows in use) of every verify pass
+    run = engine.runner.graphs.run
+
+    def recording(key, fn, tokens, lengths):
+        passes.append((key[0], key[1], len(engine.active)))
+        return run(key, fn, tokens, lengths)
+
+    engine.runner.graphs.run = recording
+    budgets = [NEW_TOKENS, 18, 12, 3, 4, 5, 2]  # the high slots free up first, the last rows are in slot 0
+    requests = [Request(prompts[i % 3], SamplingParams(max_new_tokens=n)) for i, n in enumerate(budgets)]
+    engine.run(requests)
+    for i, (request, budget) in enumerate(zip(requests, budgets)):
+        assert request.output_ids == reference[i % 3][:budget]
+    assert {bucket for bucket, _, _ in passes} >= {1, 4, 5} and any(bucket > rows for bucket, _, rows in passes)
+    assert {width for _, width, _ in passes} == {K + 1}
 
 
 def test_rollback_leaves_the_cache_of_the_accepted_tokens_alone(micro, prompts, reference):
@@ -180,8 +204,8 @@ def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_d
         assert torch.allclose(keys[layer][:, :, :length], k, atol=1e-4)
         assert torch.allclose(values[layer][:, :, :length], v, atol=1e-4)
     # and drafting from the cache is drafting from the whole history at once (the training path)
-    context, embeds = request.pivot[None], model.get_input_embeddings()(torch.tensor([request.anchor]))
-    at_once = proposer.drafter.history(features.flatten(1)[None], torch.ones(1, length, dtype=torch.bool), torch.tensor([request.position]))
+    context, embeds = request.pivot[None], model.get_input_embeddings()(torch.tensor([request.anchor], device=DEVICE))
+    at_once = proposer.drafter.history(features.flatten(1)[None], torch.ones(1, length, dtype=torch.bool, device=DEVICE), torch.tensor([request.position], device=DEVICE))
     assert torch.allclose(proposer.drafter.hidden(context, embeds, proposer._history([request])), proposer.drafter.hidden(context, embeds, at_once), atol=1e-4)
 
 
@@ -228,7 +252,7 @@ class SelfDrafter(NoDrafter):
         for i in range(self.draft_tokens):
             for b, row in enumerate(rows):
                 ids = row.tokens + tokens[b, :i].tolist()
-                logits[b, i] = 3 * self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+                logits[b, i] = 3 * self.model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1]  # q kept on the CPU
             tokens[:, i] = pick(logits[:, i])  # the engine's picker samples each row's q
         return Draft(tokens, [self.draft_tokens] * len(rows), logits)
 
@@ -240,7 +264,7 @@ def exact_marginals(model, prompt, params, positions):
         total = torch.zeros(model.config.vocab_size)
         grown = []
         for ids, weight in frontier:
-            p = probabilities(model(input_ids=torch.tensor([ids])).logits[0, -1], params)
+            p = probabilities(model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1], params).cpu()
             total += weight * p
             grown += [(ids + [t], weight * float(p[t])) for t in p.nonzero().flatten().tolist()]
         marginals.append(total)
@@ -263,9 +287,9 @@ def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
     return statistic < critical
 
 
-def sampled_positions(micro, prompt, params, count):
+def sampled_positions(micro, prompt, params, count, path="eager"):
     model, _ = micro
-    engine = make_engine(micro, SelfDrafter(model), slots=16)
+    engine = make_engine(micro, SelfDrafter(model), slots=16, path=path)
     requests = [Request(prompt, SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i)) for i in range(count)]
     with torch.no_grad():
         engine.run(requests)
@@ -278,8 +302,9 @@ def test_speculative_sampling_matches_the_targets_distribution_and_a_broken_rule
     params = SamplingParams(temperature=0.05, top_k=5)
     with torch.no_grad():
         expected = exact_marginals(model, prompts[0], params, 3)
-    samples = sampled_positions(micro, prompts[0], params, 600)
-    assert all(chi_square_passes(s, e) for s, e in zip(samples, expected))
+    for path in ("eager", "static"):
+        samples = sampled_positions(micro, prompts[0], params, 600, path)
+        assert all(chi_square_passes(s, e) for s, e in zip(samples, expected)), path
     # the classic bug: after a rejection, resample from p instead of the residual max(p − q, 0)
     monkeypatch.setattr(engine_module, "residual_distribution", lambda p, q: p)
     broken = sampled_positions(micro, prompts[0], params, 600)

@@ -2,12 +2,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, MicroConfig, TargetConfig, load_config
 from dlite_cli.errors import DliteError
 from dlite_cli.features import LayerCapture, target_pass
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, select_layers
 from dlite_cli.targets import load_model, prepare_target
-from dlite_cli.train import anchor_batch, Trainer
+from dlite_cli.train import anchor_batch, batch_loss, Trainer
 
 K = 4
 
@@ -15,7 +16,7 @@ K = 4
 @pytest.fixture(scope="module")
 def target(cache_dir):
     prepared = prepare_target(TargetConfig(model="micro"), log=lambda _: None)
-    return load_model(prepared, "float32")
+    return load_model(prepared, "float32", DEVICE)
 
 
 def make(target, window, **drafter):
@@ -42,10 +43,10 @@ def test_select_layers_keeps_first_and_last():
 @pytest.mark.parametrize("window", [0, 128, FULL_HISTORY])
 @pytest.mark.parametrize("options", [{}, {"composition": "feature"}, {"sequential_head": False}])
 def test_shapes(target, window, options):
-    drafter = make(target, window, **options)
+    drafter = make(target, window, **options).to(DEVICE)
     sequence = sequence_of(target, list(range(10, 40)))
     anchors = torch.tensor([5, 12, 28])
-    batch = anchor_batch(sequence, anchors, K, window)
+    batch = anchor_batch(sequence, anchors, K, window).to(DEVICE)
     embeds = target.get_input_embeddings()(batch.anchor)
     logits = drafter(batch.context, embeds, batch.previous, **batch.history)
     assert logits.shape == (3, K, target.config.vocab_size)
@@ -66,9 +67,9 @@ def test_w0_is_history_free_and_the_teacher_is_not(target):
     assert not torch.equal(original.features[:23], changed.features[:23])
     outputs = {}
     for window in (0, FULL_HISTORY):
-        drafter = make(target, window)
+        drafter = make(target, window).to(DEVICE)
         for label, sequence in (("original", original), ("changed", changed)):
-            batch = anchor_batch(sequence, anchor, K, window)
+            batch = anchor_batch(sequence, anchor, K, window).to(DEVICE)
             embeds = target.get_input_embeddings()(batch.anchor)
             outputs[window, label] = drafter(batch.context, embeds, batch.previous, **batch.history)
     assert torch.equal(outputs[0, "original"], outputs[0, "changed"])
@@ -87,10 +88,11 @@ def test_target_parameters_receive_no_gradient(target, tmp_path):
     config = load_config("micro")
     trainer = Trainer(config, tmp_path, "stable")
     trainer.target_model = target.requires_grad_(True)  # even a trainable target must stay untouched
-    drafter = make(target, 0)
+    drafter = make(target, 0).to(DEVICE)
     trainer.spec = drafter.spec
     sequence = sequence_of(target, list(range(10, 40)))
-    loss = trainer._batch_loss(drafter, None, anchor_batch(sequence, torch.tensor([5, 9, 20]), K, 0))
+    batch = anchor_batch(sequence, torch.tensor([5, 9, 20]), K, 0).to(DEVICE)
+    loss = batch_loss(trainer.plan, trainer.train, drafter, None, target.get_input_embeddings(), batch, trainer.weights)
     loss.backward()
     assert all(p.grad is None for p in target.parameters())
     assert all(p.grad is not None for p in drafter.parameters())
@@ -115,8 +117,8 @@ def test_svd_head_init_reproduces_the_target_lm_head_at_full_rank(target):
     """With R = H the factorised head starts as exactly the target's LM head on h."""
     spec = DrafterSpec.for_target(target.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=64), 0)
     drafter = Drafter(spec)
-    lm_head = target.get_output_embeddings().weight
+    lm_head = target.get_output_embeddings().weight  # on DEVICE; the drafter starts on the CPU, as in training
     drafter.init_head_from(lm_head)
     h = torch.randn(2, K, 64)
     logits = drafter.head(h, torch.zeros(2, K, dtype=torch.long))
-    assert torch.allclose(logits[:, 0], h[:, 0] @ lm_head.T, atol=1e-4)  # position 1: the RNN state is still 0
+    assert torch.allclose(logits[:, 0], h[:, 0] @ lm_head.T.cpu(), atol=1e-4)  # position 1: the RNN state is still 0

@@ -93,7 +93,8 @@ def _kill_when(process: subprocess.Popen, ready, what: str) -> None:
 
 
 def test_kill_9_anywhere_then_run_again_gives_the_same_tables(run_cli, cache_dir, tmp_path):
-    options = ["--set", "train.teacher_epochs=12"]  # long enough to be killed mid-training
+    # long enough to be killed mid-training; on the CPU, where training is bitwise reproducible (CUDA's backward is not)
+    options = ["--set", "train.teacher_epochs=12", "--set", "target.device=cpu"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     run_cli("run", "micro", *options, "--run-dir", str(reference))
 
@@ -139,7 +140,8 @@ def test_a_launched_stage_runs_under_accelerate_and_dies_with_the_runner(run_cli
     pipeline = tmp_path / "two-processes.yaml"
     pipeline.write_text(f"target: micro\nstages:\n  - name: regen\n  - name: train-teacher\n    launch: {launch}\n")
     run = tmp_path / "launched"
-    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=200"]  # ~30 s: it cannot finish by itself below
+    # ~30 s: it cannot finish by itself below; cpu-2proc.yaml needs the CPU (gloo), whatever GPUs the machine has
+    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=200", "--set", "target.device=cpu"]
     process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "run", str(pipeline), *options], cwd=tmp_path,
                                env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(process, lambda: (run / "train-teacher" / "checkpoint" / "state.pt").exists(), "the launched stage checkpointed")

@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 
+from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, TargetConfig
 from dlite_cli.model import Drafter, DrafterSpec
 from dlite_cli.targets import load_model, prepare_target
@@ -28,7 +29,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def drafter_dir(cache_dir, tmp_path_factory):
     """An (untrained) DLite checkpoint: the server drafts with it, so the pivot-feature path is served."""
-    model = load_model(prepare_target(TargetConfig(model="micro"), log=lambda _: None), "float32")
+    model = load_model(prepare_target(TargetConfig(model="micro"), log=lambda _: None), "float32", DEVICE)
     spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=4, num_layers=1, head_rank=16), 0)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("drafter")

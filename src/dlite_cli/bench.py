@@ -19,21 +19,20 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
-import torch
 
 from .artifacts import Stage, atomic_write_json
 from .config import Config, config_hash
+from .devices import hardware
 from .drafters import load_proposer, resolve_drafter_path
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import write_report
-from .runner import TargetRunner
+from .runner import TargetRunner, decode_path
 from .targets import load_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 
@@ -50,17 +49,6 @@ class BenchPlan:
     temperature: float
     concurrency: list[int]
     data: dict[str, str]
-
-
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    name = platform.processor() or platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name} CPU, {os.cpu_count()} cores"
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -92,7 +80,9 @@ class Bench:
     def run(self, force: bool = False) -> bool:
         """Measure what is missing; False if the bench was already done with this plan."""
         model, self.tokenizer, target = load_target(self.config.target, self.log)
-        recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode), "drafter": dataclasses.asdict(self.config.drafter)}
+        self.path = decode_path(self.config.decode.path, model.device)
+        recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode), "drafter": dataclasses.asdict(self.config.drafter),
+                    "decode_path": self.path}
         if not self.stage.begin(config_hash(recorded, target.fingerprint), recorded, {"target": target.fingerprint}, force):
             self._report()
             return False
@@ -105,7 +95,7 @@ class Bench:
         for method in self.plan.methods:
             name = METHOD_NAMES.get(method, method)
             try:
-                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype)
+                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
                 self.drafters[method] = name if name in ("none", "ngram") else str(resolve_drafter_path(name, self.stage.dir.parent))
             except DliteError as e:
                 unavailable["methods"][method] = str(e)
@@ -117,7 +107,7 @@ class Bench:
         for method, proposer in proposers.items():
             layers = tuple(proposer.target_layers) or shared
             if layers not in runners:
-                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk)
+                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path)
             self.engines[method] = Engine(runners[layers], proposer, eos, detokenize)
         episodes = {}
         for name in self.plan.workloads:
@@ -135,7 +125,7 @@ class Bench:
         self._warm_up()
         self._episodes(episodes)
         self._concurrency(episodes)
-        self.stage.finish(summary={"hardware": hardware(), "episodes": sum(len(e) for e, _ in episodes.values()),
+        self.stage.finish(summary={"hardware": hardware(model.device), "decode_path": self.path, "episodes": sum(len(e) for e, _ in episodes.values()),
                                    "unavailable": unavailable})
         self._report()
         return True
@@ -208,7 +198,7 @@ class Bench:
                 if (level, method) in done:
                     continue
                 runner = engine.runner
-                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk)
+                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, runner.path)
                 wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)
                 start = time.perf_counter()
                 requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])

@@ -229,6 +229,59 @@ def bench(
         log(f"the bench in {directory / 'bench'} is already done with this plan; tables rewritten")
 
 
+@app.command()
+def profile(
+    target: TargetOption = DEFAULT_TARGET,
+    set_: SetOption = None,
+    contexts: Annotated[Optional[str], typer.Option(help="Context lengths, comma-separated (default: 1024,8192,32768 on a GPU, 512,2048 on a CPU).")] = None,
+    batches: Annotated[Optional[str], typer.Option(help="Batch sizes, comma-separated (default: 1,16,64 on a GPU, 1,4 on a CPU).")] = None,
+    widths: Annotated[Optional[str], typer.Option(help="Tokens per target pass, comma-separated (default: 1,2,3,4,K+1,2(K+1)).")] = None,
+    tau: Annotated[Optional[str], typer.Option(help="τ values to predict the speedup at (default: the paper's Table 3 τ).")] = None,
+    repeats: Annotated[Optional[int], typer.Option(min=1, help="Timed repeats per measurement; the median is reported (default: 15 on a GPU, 5 on a CPU).")] = None,
+    train_steps: Annotated[Optional[int], typer.Option(min=0, help="Timed training steps per stage (0 skips training; default 3).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where to write the JSON (default: runs/<target>/profile-<device>.json).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON instead of the tables.")] = False,
+) -> None:
+    """Time a decode round and a training step at the target's real shapes, with random weights (no download)."""
+    import dataclasses
+    import json
+
+    from .artifacts import atomic_write_json
+    from .devices import resolve_device
+    from .profile import Profiler, default_plan, render
+
+    config = _load(target, set_)
+    device = resolve_device(config.target.device)
+    plan = default_plan(config, device)
+    choices = {"contexts": _numbers("--contexts", contexts, int), "batches": _numbers("--batches", batches, int),
+               "widths": _numbers("--widths", widths, int), "taus": _numbers("--tau", tau, float), "repeats": repeats, "train_steps": train_steps}
+    plan = dataclasses.replace(plan, **{k: v for k, v in choices.items() if v is not None})
+    result = Profiler(config, plan, log).run()
+    path = out or Path("runs") / config.name / f"profile-{device.type}.json"
+    atomic_write_json(path, result)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        for table in render(result):
+            Console().print(table)
+    for skipped in result["skipped"]:
+        log(f"skipped batch {skipped['batch']} at context {skipped['context']}: {skipped['reason']}")
+    log(f"profile written to {path}")
+
+
+def _numbers(option: str, text: str | None, kind):
+    """'1,4,16' → [1, 4, 16]; None stays None; anything else is a one-sentence error."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise DliteError(f"{option} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise DliteError(f"{option} must list positive numbers, got {text!r}")
+    return values
+
+
 @app.command("run")
 def run_command(
     pipeline: Annotated[str, typer.Argument(help="Pipeline name in pipelines/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path.")],

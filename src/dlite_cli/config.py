@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,14 +62,24 @@ class MicroConfig:
     seed: int = 0
 
 
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
 @dataclass
 class TargetConfig:
     """The target model: a built-in name (``smollm2-135m``, ``micro``), a hub id or a local path."""
 
     model: str
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Where every stage runs the target and the drafter: auto (CUDA when available), cpu, cuda, cuda:N.
+    # Under `accelerate launch` each process uses its own GPU and only cpu vs cuda is taken from here.
+    device: str = _checked("auto", check=lambda v: DEVICE_PATTERN.fullmatch(v) is not None, says="be auto, cpu, cuda or cuda:N")
     thinking: bool = False  # Qwen3's enable_thinking in the chat template
     micro: MicroConfig = field(default_factory=MicroConfig)
+
+    def identity(self) -> dict:
+        """What determines the target's outputs, for stage hashes: everything but where it runs."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "device"}
 
 
 PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code"]
@@ -148,6 +159,13 @@ class DecodeConfig:
     # memory its vocabulary projection reads per draft token: measured here, a smollm2-135m draft round
     # takes 22 ms instead of 39 ms, with the same tau (1.271 vs 1.273 on held-out chats).
     draft_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # How a decode round runs (outputs are the same on every path):
+    #   eager   shapes follow the batch (rows, tokens in the pass, context): the reference, fastest on a CPU
+    #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), K + 1 tokens per verify, the whole
+    #           allocated KV cache attended under a mask built on the device, one host read per round
+    #   graphs  static, each (bucket, width) target pass and the DLite draft round captured as a CUDA graph
+    #   auto    graphs on CUDA, eager on a CPU
+    path: Literal["auto", "eager", "static", "graphs"] = "auto"
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .errors import DliteError
-from .model import FULL_HISTORY, Drafter, History
+from .graphs import BUCKETS, CudaGraphs, bucket_for
+from .model import FULL_HISTORY, Drafter, History, greedy_pick
 
 # drafter names → the run-directory stage whose export they load
 STAGE_OF = {"dlite": "stable", "history": "train-teacher", "parallel": "stable-parallel", "scratch": "stable-scratch"}
@@ -87,23 +88,44 @@ class NgramDrafter(NoDrafter):
 
 
 class DLiteAdapter(NoDrafter):
-    """A W = 0 checkpoint (DLite, or the parallel ablation): one block from the pivot features and the anchor."""
+    """A W = 0 checkpoint (DLite, or the parallel ablation): one block from the pivot features and the anchor.
+
+    Its round has fixed shapes whatever the context, so with ``graphs`` a greedy round is one CUDA
+    graph per batch bucket (rows padded with copies of the first)."""
 
     needs_all_features = False
 
-    def __init__(self, drafter: Drafter, embed, name: str):
+    def __init__(self, drafter: Drafter, embed, name: str, graphs: bool = False):
         self.drafter, self.embed, self.name = drafter, embed, name
         self.draft_tokens, self.target_layers = drafter.spec.draft_tokens, drafter.spec.target_layer_ids
+        self.graphs = CudaGraphs(enabled=graphs)
 
     def propose(self, rows, pick) -> Draft:
-        dtype = self.drafter.placeholders.dtype
-        context = torch.stack([row.pivot for row in rows]).to(dtype)
-        anchors = torch.tensor([row.anchor for row in rows], device=context.device)
-        tokens, logits = self.drafter.draft(context, self.embed(anchors).to(dtype), anchors, self._history(rows), pick)
+        context, anchors = self._inputs(rows)
+        if self.graphs.enabled and pick is greedy_pick:
+            B = len(rows)
+            rows_padded = [*range(B), *[0] * (bucket_for(B, max(B, BUCKETS[-1])) - B)]
+            tokens, logits = self.graphs.run(len(rows_padded), self._block, context[rows_padded], anchors[rows_padded])
+            tokens, logits = tokens[:B], logits[:B]
+        else:
+            tokens, logits = self._block(context, anchors, pick)
         return Draft(tokens, [self.draft_tokens] * len(rows), logits)
 
-    def _history(self, rows) -> History | None:
-        return None
+    def _inputs(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' pivot features (B, S, H) in the drafter's dtype and anchors (B,), on its device."""
+        return torch.stack([row.pivot for row in rows]).to(self._dtype), torch.tensor([row.anchor for row in rows], device=self._device)
+
+    def _block(self, context, anchors, pick=greedy_pick, history: History | None = None):
+        """context (B, S, H), anchors (B,) → draft tokens (B, K), logits (B, K, V)."""
+        return self.drafter.draft(context, self.embed(anchors).to(self._dtype), anchors, history, pick)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.drafter.placeholders.device
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.drafter.placeholders.dtype
 
 
 class HistoryAdapter(DLiteAdapter):
@@ -113,7 +135,7 @@ class HistoryAdapter(DLiteAdapter):
     needs_all_features = True
 
     def __init__(self, drafter: Drafter, embed, name: str, capacity: int):
-        super().__init__(drafter, embed, name)
+        super().__init__(drafter, embed, name)  # its cache grows every round: never a CUDA graph
         self.capacity = capacity
         self.window = drafter.spec.history_window
         self.cache: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
@@ -136,6 +158,11 @@ class HistoryAdapter(DLiteAdapter):
                 keys[layer][:, :, length : length + len(features)] = k
                 values[layer][:, :, length : length + len(features)] = v
         self.cache[row.slot] = (keys, values, length + len(features))
+
+    def propose(self, rows, pick) -> Draft:
+        context, anchors = self._inputs(rows)
+        tokens, logits = self._block(context, anchors, pick, self._history(rows))
+        return Draft(tokens, [self.draft_tokens] * len(rows), logits)
 
     def end(self, row) -> None:
         self.cache.pop(row.slot, None)
@@ -176,13 +203,6 @@ class HistoryAdapter(DLiteAdapter):
             mask = torch.arange(width, device=device)[None] < lengths[:, None]
         return History(kv, mask, torch.tensor([row.position for row in rows], device=self._device))
 
-    @property
-    def _device(self) -> torch.device:
-        return self.drafter.placeholders.device
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return self.drafter.placeholders.dtype
 
 
 def resolve_drafter_path(name: str, run_dir: Path) -> Path:
@@ -198,9 +218,9 @@ def resolve_drafter_path(name: str, run_dir: Path) -> Path:
     return path
 
 
-def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32"):
+def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager"):
     """The drafter adapter for ``name`` (see resolve_drafter_path), fitted to ``target_model``,
-    run in ``dtype``."""
+    run in ``dtype`` on the target's device; ``path`` graphs captures DLite's rounds as CUDA graphs."""
     if name == "none":
         return NoDrafter()
     if name == "ngram":
@@ -212,4 +232,4 @@ def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_t
     label = name if name in STAGE_OF else path.name
     if drafter.spec.history_window != 0:
         return HistoryAdapter(drafter, embed, label, capacity)
-    return DLiteAdapter(drafter, embed, label)
+    return DLiteAdapter(drafter, embed, label, graphs=path == "graphs")

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .devices import now
 from .errors import DliteError
-from .runner import TargetRunner
+from .model import greedy_pick
+from .runner import TargetRunner, decode_path
 
 
 @dataclass
@@ -175,9 +177,8 @@ def accept_sampled(target_logits, drafts, draft_logits, params, generator) -> tu
     return len(drafts), sample(p[len(drafts)], generator)
 
 
-def accept_greedy(target_logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_logits (B, L+1, V), draft (B, L), lengths (B,) → accepted n (B,), next tokens (B,)."""
-    choice = target_logits.argmax(-1)  # (B, L+1)
+def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice (B, L+1) the target's argmax, draft (B, L), lengths (B,) → accepted n (B,), next tokens (B,)."""
     L = draft.shape[1]
     agree = (draft == choice[:, :L]) & (torch.arange(L, device=draft.device) < lengths[:, None])
     n = agree.long().cumprod(dim=1).sum(dim=1)
@@ -193,7 +194,7 @@ class Engine:
     def __init__(self, runner, drafter, eos_ids: set[int], detokenize):
         """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
-        self.free = list(range(runner.slots))[::-1]
+        self.free = list(range(runner.slots))
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
@@ -253,14 +254,15 @@ class Engine:
     # ----- prefill, draft, verify, accept
 
     def _prefill(self, request: Request) -> None:
-        start = _now(self.runner.device)
-        request.slot = self.free.pop()
+        start = now(self.runner.device)
+        request.slot = min(self.free)  # the lowest: a fixed-shape pass covers the slots up to the highest in use
+        self.free.remove(request.slot)
         logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, all_features=self.drafter.needs_all_features)
         first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
         request.pivot = features[-1]
         self.active.append(request)
         self.drafter.begin(request, features)
-        seconds = _now(self.runner.device) - start
+        seconds = now(self.runner.device) - start
         request.stats.prefill_seconds += seconds
         self.stats.prefill_seconds += seconds
         self.stats.prompt_tokens += len(request.prompt_ids)
@@ -270,38 +272,44 @@ class Engine:
 
     def _round(self, rows: list[Request]) -> list[Request]:
         device = self.runner.device
-        t0 = _now(device)
+        t0 = now(device)
         draft = self.drafter.propose(rows, self._picker(rows))
-        width = max(draft.lengths)
-        anchors = torch.tensor([[row.anchor] for row in rows])
-        tokens = torch.cat([anchors, draft.tokens[:, :width].cpu()], dim=1)
-        t1 = _now(device)
-        logits, features = self.runner.forward([row.slot for row in rows], tokens)
-        t2 = _now(device)
-        greedy_n, greedy_next = accept_greedy(logits, tokens[:, 1:].to(device), torch.tensor(draft.lengths, device=device))
-        greedy_n, greedy_next = greedy_n.tolist(), greedy_next.tolist()
-        extend_seconds = 0.0
+        # eager: as many tokens as the longest proposal; static: always K + 1 (a fixed shape)
+        width = max(draft.lengths) if self.runner.path == "eager" else self.drafter.draft_tokens
+        anchors = torch.tensor([[row.anchor] for row in rows], device=device)
+        tokens = torch.cat([anchors, draft.tokens[:, :width].to(device)], dim=1)  # (B, 1 + width)
+        t1 = now(device)
+        logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
+        t2 = now(device)
+        greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
+        # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
+        read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
+        outcomes = []  # (accepted n, next token) per row
         for b, row in enumerate(rows):
-            if row.params.greedy:
-                n, next_token = greedy_n[b], greedy_next[b]
-            else:
+            n, next_token = read[b][0], read[b][1]
+            if not row.params.greedy:
                 L = draft.lengths[b]
                 draft_logits = draft.logits[b, :L] if draft.logits is not None else None
-                n, next_token = accept_sampled(logits[b, : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
-            self.runner.truncate(row.slot, row.position + n + 1)
-            start = time.perf_counter()
-            # the old pivot, the anchor and all accepted drafts but the last are history now
-            self.drafter.extend(row, torch.cat([row.pivot[None], features[b, :n]]))
-            extend_seconds += time.perf_counter() - start
-            row.pivot = features[b, n]
+                n, next_token = accept_sampled(logits[index[b], : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
+            outcomes.append((n, next_token))
+            self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
             for stats in (row.stats, self.stats):
                 stats.rounds += 1
                 stats.committed += n + 1
                 for i in range(draft.lengths[b]):
                     stats.proposed[i] += 1
                     stats.accepted[i] += i < n
-            self._emit(row, tokens[b, 1 : n + 1].tolist() + [next_token])
-        t3 = _now(device)
+        accepted = torch.tensor([n for n, _ in outcomes], device=device)
+        pivots = features[index, accepted]  # (B, S, H): the target's states at each row's last accepted position
+        extend_seconds = 0.0
+        for b, (row, (n, next_token)) in enumerate(zip(rows, outcomes)):
+            if self.drafter.needs_all_features:  # the old pivot, the anchor and all accepted drafts but the last are history now
+                start = time.perf_counter()
+                self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], :n]]))
+                extend_seconds += time.perf_counter() - start
+            row.pivot = pivots[b]
+            self._emit(row, read[b][3 : 3 + n] + [next_token])
+        t3 = now(device)
         draft_kv = 0
         for row in rows:
             kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0
@@ -319,7 +327,7 @@ class Engine:
         """How the drafter chooses each proposal: argmax for greedy rows, a sample from the same
         tempered/top-k/top-p distribution the target will use for sampling rows."""
         if all(row.params.greedy for row in rows):
-            return lambda logits: logits.argmax(-1)
+            return greedy_pick
 
         def pick(logits):
             chosen = logits.argmax(-1)
@@ -363,13 +371,6 @@ class Engine:
         return text[: min(cuts)] if cuts else text
 
 
-def _now(device: torch.device) -> float:
-    """Wall time after the device has finished the work queued so far."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):
     """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
     ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length."""
@@ -379,8 +380,9 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     model, tokenizer, _ = load_target(config.target, log)
     capacity = capacity or model.config.max_position_embeddings
     decode = config.decode
-    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype)
-    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk)
+    path = decode_path(decode.path, model.device)
+    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path)
+    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path)
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer)), tokenizer
 
 

@@ -107,7 +107,7 @@ class FeatureCache:
     def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log) -> None:
         """Compute missing shards; resumable at shard granularity."""
         train = config.train
-        digest = config_hash(config.target, {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
+        digest = config_hash(config.target.identity(), {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
         if not self.stage.begin(digest, {"layers": layer_ids, "top_k": train.target_top_k}, inputs, force):
             return
         shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]

@@ -294,7 +294,7 @@ class Drafter(nn.Module):
         R = self.spec.head_rank
         self.head.vocab.weight.copy_(u[:, :R] * singular[:R])
         self.head.latent.weight.zero_()
-        self.head.latent.weight[:, R:] = vh[:R]
+        self.head.latent.weight[:, R:].copy_(vh[:R])
         self.head.latent.bias.zero_()
 
     def context_slots(self, context: torch.Tensor) -> torch.Tensor:

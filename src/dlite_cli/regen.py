@@ -36,6 +36,7 @@ from .config import Config, RegenConfig, config_hash
 from .errors import DliteError
 from .progress import progress_bar
 from .prompts import Prompt, Skipped, plan_prompts
+from .devices import resolve_device
 from .targets import load_model, load_tokenizer, prepare_target
 
 RETRIES = 6  # attempts per request with the openai backend
@@ -99,8 +100,8 @@ class HFBackend:
         torch.manual_seed(seed)
         with torch.inference_mode():
             output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
+                input_ids=input_ids.to(self.model.device),
+                attention_mask=attention_mask.to(self.model.device),
                 max_new_tokens=min(self.regen.max_new_tokens, self.regen.max_length - width),
                 do_sample=sampling,
                 pad_token_id=pad,
@@ -240,7 +241,7 @@ def run_regen(
         raise DliteError(f"regen has no prompts to run: the configured sources gave no usable prompt{reason}")
     plan_digest = hashlib.sha256("\n".join(p.id for p in prompts).encode()).hexdigest()[:16]
     stage = Stage(run_dir, "regen")
-    stage_hash = config_hash(config.target, regen, {"limit": limit, "plan": plan_digest})
+    stage_hash = config_hash(config.target.identity(), regen, {"limit": limit, "plan": plan_digest})
     inputs = {"target": target.fingerprint, "prompts": plan_digest, "sources": [s.name for s in regen.sources]}
     recorded = {"target": dataclasses.asdict(config.target), "regen": dataclasses.asdict(regen), "limit": limit}
     if not stage.begin(stage_hash, recorded, inputs, force):
@@ -253,7 +254,7 @@ def run_regen(
     mine = [c for c in range(len(chunks)) if c % shard[1] == shard[0] and not _chunk_path(chunks_dir, c).exists()]
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
     if mine:
-        model = load_model(target, config.target.dtype) if regen.backend == "hf" else None
+        model = load_model(target, config.target.dtype, resolve_device(config.target.device)) if regen.backend == "hf" else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),

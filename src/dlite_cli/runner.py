@@ -5,10 +5,16 @@ weights with a KV cache in which every row (slot) has its own length.
                          by doubling up to ``capacity``, the longest sequence the runner accepts
     cached[slot]         the token ids whose keys/values that slot holds
 
-``forward(slots, tokens)`` appends ``tokens`` (B, Q) after each slot's current tokens and returns
-logits and the hidden states of the drafter's S layers; ``truncate(slot, n)`` rolls a slot back to
-its accepted length (entries beyond it are masked now and overwritten later).  Rows of different
-lengths share one batched pass, which is what lets each row accept its own number of tokens.
+``verify(slots, tokens)`` runs ``tokens`` (B, Q) after each slot's held tokens and returns logits
+and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then records which of them the
+slot keeps (the accepted ones: entries beyond a slot's length are masked now and overwritten later).
+Rows of different lengths share one batched pass, which is what lets each row accept its own number
+of tokens.  Two ways to run a pass (``decode.path``):
+
+    eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
+    static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), keys
+             over the whole allocation under a mask built on the device from the slots' lengths;
+             with ``graphs`` each (bucket, tokens, allocation) pass is a replayed CUDA graph
 """
 
 from __future__ import annotations
@@ -17,31 +23,45 @@ import torch
 import torch.nn.functional as F
 
 from .errors import DliteError
+from .graphs import CudaGraphs, bucket_for
 from .model import SUPPORTED_FAMILIES, apply_rope
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
+PATHS = ("eager", "static", "graphs")
+
+
+def decode_path(setting: str, device: torch.device) -> str:
+    """``decode.path`` → the path to run: auto is graphs on CUDA and eager elsewhere."""
+    if setting == "auto":
+        return "graphs" if device.type == "cuda" else "eager"
+    return setting
 
 
 class TargetRunner:
     """A target model (``AutoModelForCausalLM``, eval mode) prepared for batched, rollback-able decoding."""
 
-    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512):
+    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager"):
         config = model.config
         if config.model_type not in SUPPORTED_FAMILIES:
             raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
         if "sliding_attention" in (getattr(config, "layer_types", None) or []):
             raise DliteError("targets with sliding-window attention layers are not supported by the decoding engine")
-        self.model, self.capture_layers = model, sorted(capture_layers)
+        if path not in PATHS:
+            raise DliteError(f"unknown decode path {path!r}: expected one of {', '.join(PATHS)}")
+        parameter = next(model.parameters())
+        if path == "graphs" and parameter.device.type != "cuda":
+            raise DliteError(f"decode.path graphs needs the target on a CUDA device, and it is on {parameter.device}; use eager or static")
+        self.model, self.capture_layers, self.path = model, sorted(capture_layers), path
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        parameter = next(model.parameters())
         shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
+        self.graphs = CudaGraphs(enabled=path == "graphs")
 
     @property
     def device(self) -> torch.device:
@@ -61,14 +81,18 @@ class TargetRunner:
         """Roll ``slot`` back to its first ``length`` tokens."""
         del self.cached[slot][length:]
 
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        """``slot`` keeps ``tokens``, the first of those the last pass ran after its held tokens."""
+        self.cached[slot] += tokens
+
     @torch.no_grad()
     def prefill(self, slot: int, prompt: list[int], all_features: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Start ``slot`` on ``prompt`` → logits at the last position (V,), features (P, S, H) at every
         position if ``all_features`` else (1, S, H) at the last one, and how many prompt tokens were reused.
 
         The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
-        a shared system prompt) is kept and only the rest is computed, in chunks — unless every
-        position's features are needed."""
+        a shared system prompt) is kept and only the rest is computed, in chunks (eagerly, on every
+        path) — unless every position's features are needed."""
         reused = 0
         if not all_features:
             held = self.cached[slot]
@@ -77,28 +101,65 @@ class TargetRunner:
         self.truncate(slot, reused)
         features = []
         for start in range(reused, len(prompt), self.prefill_chunk):
-            chunk = torch.tensor([prompt[start : start + self.prefill_chunk]], device=self.device)
-            logits, chunk_features = self.forward([slot], chunk, logits_at_last=True, features_at_last=not all_features)
+            chunk = prompt[start : start + self.prefill_chunk]
+            logits, chunk_features = self.forward([slot], torch.tensor([chunk], device=self.device), logits_at_last=True, features_at_last=not all_features)
+            self.commit(slot, chunk)
             features.append(chunk_features[0])
         return logits[0, -1], torch.cat(features) if all_features else features[-1], reused
 
+    def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
+        features (B', Q, S, H) and ``index`` (B,): row b's outputs are row index[b] (B' = B when eager,
+        the bucket when static).  Nothing is kept until ``commit``."""
+        if self.path == "eager":
+            logits, features = self.forward(slots, tokens)
+            return logits, features, torch.arange(len(slots), device=self.device)
+        return self._forward_static(slots, tokens)
+
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: torch.Tensor, logits_at_last: bool = False, features_at_last: bool = False):
-        """Append ``tokens`` (B, Q) to ``slots`` → logits (B, Q or 1, V) and features (B, Q or 1, S, H)
-        (S = 0 when no layer is captured)."""
+        """The eager pass: ``tokens`` (B, Q) after ``slots``' held tokens → logits (B, Q or 1, V) and
+        features (B, Q or 1, S, H) (S = 0 when no layer is captured)."""
         B, Q = tokens.shape
         starts = torch.tensor([self.length(s) for s in slots], device=self.device)
         span = int(starts.max()) + Q
-        if span > self.capacity:
-            raise DliteError(f"the sequence needs {span} tokens of KV cache, more than the engine's capacity of {self.capacity}")
+        self._check(span)
         self._reserve(span)
         positions = starts[:, None] + torch.arange(Q, device=self.device)  # (B, Q)
-        rows = self._rows(slots)
         mask = None
         if B > 1 or Q > 1:  # key j is visible to query (b, i) iff j ≤ positions[b, i]
             mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]  # (B, 1, Q, span)
+        return self._pass(self._rows(slots), tokens.to(self.device), positions, span, mask, logits_at_last, features_at_last)
+
+    def _forward_static(self, slots: list[int], tokens: torch.Tensor):
+        """The fixed-shape pass over the first ``bucket`` slots; rows not in ``slots`` are padding (their
+        keys/values land past their held tokens, where nothing reads them)."""
+        bucket = bucket_for(max(slots) + 1, self.slots)
+        Q = tokens.shape[1]
+        span = max(self.length(s) for s in slots) + Q
+        self._check(span)
+        self._reserve(span)
+        for slot in set(range(bucket)) - set(slots):  # a padding row must not write past the allocation
+            self.truncate(slot, min(self.length(slot), self.keys[0].shape[2] - Q))
+        index = torch.tensor(slots, device=self.device)
+        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device).index_copy_(0, index, tokens.to(self.device))
+        lengths = torch.tensor([self.length(s) for s in range(bucket)], device=self.device)
+        logits, features = self.graphs.run((bucket, Q, self.keys[0].shape[2]), self._static_pass, padded, lengths)
+        return logits, features, index
+
+    def _static_pass(self, tokens: torch.Tensor, lengths: torch.Tensor):
+        """tokens (bucket, Q) after lengths (bucket,) held tokens, attending over the whole allocation."""
+        span = self.keys[0].shape[2]
+        positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]
+        return self._pass(slice(0, tokens.shape[0]), tokens, positions, span, mask, False, False)
+
+    @torch.no_grad()
+    def _pass(self, rows, tokens, positions, span, mask, logits_at_last, features_at_last):
+        """The model's layers over ``tokens`` (B, Q) at ``positions`` (B, Q) of cache ``rows``, attending to
+        the first ``span`` cache entries under ``mask`` (B, 1, Q, span) or causally alone (None)."""
         inner = self.model.model
-        h = inner.embed_tokens(tokens.to(self.device))
+        h = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(h, positions)
         captured = []
         for index, layer in enumerate(self.layers):
@@ -106,14 +167,17 @@ class TargetRunner:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
-        for slot, row in zip(slots, tokens.tolist()):
-            self.cached[slot] += row
+        B, Q = tokens.shape
         if captured:
             features = torch.stack(captured, dim=2)
         else:
             features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
         h = inner.norm(h[:, -1:] if logits_at_last else h)
         return self.model.lm_head(h), features
+
+    def _check(self, span: int) -> None:
+        if span > self.capacity:
+            raise DliteError(f"the sequence needs {span} tokens of KV cache, more than the engine's capacity of {self.capacity}")
 
     def _reserve(self, span: int) -> None:
         """Grow the cache (doubling, up to ``capacity``) so that every slot holds ``span`` tokens."""
@@ -124,6 +188,7 @@ class TargetRunner:
         pad = lambda t: F.pad(t, (0, 0, 0, grown - allocated))  # noqa: E731
         self.keys = [pad(k) for k in self.keys]
         self.values = [pad(v) for v in self.values]
+        self.graphs.clear()  # they read the old tensors
 
     def _rows(self, slots: list[int]):
         """An index for the cache's slot dimension: a slice (a view, no copy) when the slots are contiguous."""

@@ -151,7 +151,8 @@ class Worker:
     """The thread that owns the engine; everything else talks to it through ``submit`` and ``cancel``."""
 
     def __init__(self, engine: Engine, max_queue: int):
-        self.engine, self.metrics = engine, Metrics()
+        self.engine = engine
+        self.metrics = Metrics(engine={"drafter": engine.drafter.name, "path": engine.runner.path, "device": str(engine.runner.device)})
         self.capacity = len(engine.free) + max_queue  # requests in slots plus those waiting
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[Request, Job] = {}
@@ -231,6 +232,7 @@ class Metrics:
     tau_count: int = 0
     batch_size: int = 0
     queue_depth: int = 0
+    engine: dict = field(default_factory=dict)  # what decodes: drafter, decode path, device
 
     def finished(self, request: Request) -> None:
         reason = request.finish_reason or "error"
@@ -246,7 +248,10 @@ class Metrics:
                 self.tau_counts[i] += tau <= bound
 
     def render(self) -> str:
-        lines = ["# HELP dlite_requests_total Requests finished, by finish reason.", "# TYPE dlite_requests_total counter"]
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.engine.items()))
+        lines = ["# HELP dlite_engine_info The drafter, decode path (eager, static, graphs) and device in use.", "# TYPE dlite_engine_info gauge",
+                 f"dlite_engine_info{{{labels}}} 1"]
+        lines += ["# HELP dlite_requests_total Requests finished, by finish reason.", "# TYPE dlite_requests_total counter"]
         lines += [f'dlite_requests_total{{reason="{k}"}} {v}' for k, v in sorted(self.requests.items())]
         lines += ["# HELP dlite_request_errors_total Requests refused, by HTTP status.", "# TYPE dlite_request_errors_total counter"]
         lines += [f'dlite_request_errors_total{{status="{k}"}} {v}' for k, v in sorted(self.errors.items())]
@@ -475,6 +480,7 @@ def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | 
 
     engine, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log)
     app = create_app(engine, tokenizer, config.name, config.target.thinking, max_queue)
-    log(f"serving {config.name} with drafter {drafter} ({len(engine.free)} slots, context {engine.runner.capacity}) "
+    log(f"serving {config.name} with drafter {drafter} ({len(engine.free)} slots, context {engine.runner.capacity}, "
+        f"{engine.runner.path} decoding on {engine.runner.device}) "
         f"on http://{host}:{port}/v1")
     uvicorn.run(app, host=host, port=port, log_level="warning")

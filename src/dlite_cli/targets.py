@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .artifacts import atomic_directory, atomic_write_json
 from .config import MicroConfig, TargetConfig, config_hash
+from .devices import resolve_device
 from .errors import DliteError
 from .wheels import cache_dir, wheel_file
 
@@ -71,17 +72,22 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
 
 
 def load_target(config: TargetConfig, log=print):
-    """Return ``(model, tokenizer, prepared)``: the target prepared if needed, then loaded."""
+    """Return ``(model, tokenizer, prepared)``: the target prepared if needed, then loaded on ``target.device``."""
+    device = resolve_device(config.device)
+    if device.index is not None:
+        import torch
+
+        torch.cuda.set_device(device)  # streams and CUDA graphs are made on the current device
     prepared = prepare_target(config, log)
-    return load_model(prepared, config.dtype), load_tokenizer(prepared), prepared
+    return load_model(prepared, config.dtype, device), load_tokenizer(prepared), prepared
 
 
-def load_model(prepared: PreparedTarget, dtype: str):
-    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16)."""
+def load_model(prepared: PreparedTarget, dtype: str, device):
+    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16), on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 def load_tokenizer(prepared: PreparedTarget):

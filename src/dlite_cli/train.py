@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -29,6 +30,7 @@ import torch
 
 from .artifacts import Stage, atomic_directory, atomic_write_text
 from .config import Config, TrainConfig, config_hash
+from .devices import resolve_device
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
@@ -136,6 +138,36 @@ def concat_batches(batches: list[AnchorBatch]) -> AnchorBatch:
     return AnchorBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields}, history={})
 
 
+# ---------------------------------------------------------------- the loss of a stage
+
+
+def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, sequences: list[Sequence], seeds: list[int],
+               weights: torch.Tensor, device) -> torch.Tensor:
+    """The stage's mean loss over ``train.anchors_per_sample`` anchors of each sequence (drawn with its seed),
+    on ``device``; ``embed`` is the target's input embedding, ``teacher`` warmup's frozen teacher."""
+    # warmup's student has no history, but its teacher reads the full history of each anchor
+    window = teacher.spec.history_window if teacher is not None else plan.history_window
+    k = len(weights)
+    batches = [anchor_batch(s, sample_anchors(s, train.anchors_per_sample, seed), k, window) for s, seed in zip(sequences, seeds)]
+    groups = batches if window != 0 else [concat_batches(batches)]
+    total = sum(len(b.anchor) for b in groups)
+    return sum(batch_loss(plan, train, drafter, teacher, embed, b.to(device), weights) * (len(b.anchor) / total) for b in groups)
+
+
+def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, batch: AnchorBatch, weights: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        anchor_embeds = embed(batch.anchor).float()
+    own_history = batch.history if plan.history_window != 0 else {}
+    logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
+    if plan.loss == "ce":
+        return cross_entropy(logits, batch.labels, batch.valid, weights)
+    if plan.loss == "kl":
+        with torch.no_grad():
+            teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
+        return forward_kl(teacher_logits, logits, batch.valid, weights)
+    return stable_loss(logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
+
+
 # ---------------------------------------------------------------- the trainer
 
 
@@ -147,7 +179,10 @@ class Trainer:
         self.plan = stage_plan(stage_name, config.train)
         self.stage = Stage(self.run_dir, stage_name)
         self.metrics = self.stage.dir / "metrics.jsonl"
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        device = resolve_device(config.target.device)
+        if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
+        self.accelerator = Accelerator(cpu=device.type == "cpu")
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
         if self.train.global_batch % per_step:
@@ -169,7 +204,7 @@ class Trainer:
         regen = self._upstream("regen")
         init = self._upstream(self.plan.init_from) if self.plan.init_from else None
         target = prepare_target(self.config.target, self.log)
-        self.target_model = load_model(target, self.config.target.dtype).requires_grad_(False)
+        self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device).requires_grad_(False)
         drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.config.drafter.sequential_head and self.plan.sequential_head)
         self.spec = DrafterSpec.for_target(self.target_model.config, drafter_config, self.plan.history_window)
         inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
@@ -188,7 +223,7 @@ class Trainer:
 
     def _agree(self, flag: bool) -> bool:
         """The main process's decision, shared with every process."""
-        value = torch.tensor([int(flag)])
+        value = torch.tensor([int(flag)], device=self.accelerator.device)  # NCCL broadcasts only CUDA tensors
         if self.world > 1:
             torch.distributed.broadcast(value, src=0)
         return bool(value.item())
@@ -250,32 +285,9 @@ class Trainer:
 
     def _loss(self, drafter, teacher, sequences: list[Sequence], indices: list[int], epoch: int) -> torch.Tensor:
         """Mean loss over the anchors of ``sequences`` (their indices seed the anchor choice)."""
-        # warmup's student has no history, but its teacher reads the full history of each anchor
-        window = teacher.spec.history_window if teacher is not None else self.spec.history_window
-        batches = [
-            anchor_batch(s, sample_anchors(s, self.train.anchors_per_sample, self._anchor_seed(epoch, i)), self.spec.draft_tokens, window)
-            for s, i in zip(sequences, indices)
-        ]
-        groups = batches if window != 0 else [concat_batches(batches)]
-        total = sum(len(b.anchor) for b in groups)
-        return sum(self._batch_loss(drafter, teacher, b) * (len(b.anchor) / total) for b in groups)
-
-    def _batch_loss(self, drafter, teacher, batch: AnchorBatch) -> torch.Tensor:
-        device = self.accelerator.device
-        batch = batch.to(device)
-        with torch.no_grad():
-            anchor_embeds = self.target_model.get_input_embeddings()(batch.anchor).float()
-        own_history = batch.history if self.spec.history_window != 0 else {}
-        logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
-        if self.plan.loss == "ce":
-            return cross_entropy(logits, batch.labels, batch.valid, self.weights)
-        if self.plan.loss == "kl":
-            with torch.no_grad():
-                teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
-            return forward_kl(teacher_logits, logits, batch.valid, self.weights)
-        return stable_loss(
-            logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, self.weights, self.train.lambda_ce, self.train.lambda_tv
-        )
+        seeds = [self._anchor_seed(epoch, i) for i in indices]
+        embed = self.target_model.get_input_embeddings()
+        return stage_loss(self.plan, self.train, drafter, teacher, embed, sequences, seeds, self.weights, self.accelerator.device)
 
     @torch.no_grad()
     def evaluate(self, drafter: Drafter, sequences: list[Sequence], chunk: int = 64) -> dict:
@@ -398,7 +410,7 @@ class Trainer:
         path = self.stage.dir / "checkpoint" / "state.pt"
         if not path.exists():
             return 0
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)  # copied onto the device by load_state_dict
         self.accelerator.unwrap_model(drafter).load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,332 @@
+"""``dlite profile``: what a decode round and a training step cost at a target's real shapes.
+
+Weights are random (times do not depend on their values), so nothing is downloaded: the shapes come
+from ``configs/architectures/<config>.json`` (the public ``config.json`` facts of Qwen3-4B/8B and
+SmolLM2), a local checkpoint's ``config.json``, or the micro target.  Everything runs on the decode
+path the engine would use (``decode.path``).  Measured, median of ``repeats``:
+
+    passes     the target's pass time against tokens per pass (1 = a decode step, K + 1 = a verify),
+               per batch and context, with the bytes a step must read (weights + KV cache) and the
+               bandwidth achieved, against the device's own copy bandwidth (the floor)
+    drafts     the DLite draft round and the history teacher's, with the teacher's draft KV bytes
+    overhead   the engine's host time per round, from a real decode at batch 1
+    predicted  τ·T_step / (T_draft + T_verify + T_overhead) at the τ values asked for
+    training   a training step of each stage (one process), and the target's feature pass (online mode)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from .config import PACKAGE_DIR, Config
+from .devices import hardware, now, resolve_device
+from .drafters import DLiteAdapter, HistoryAdapter
+from .engine import Engine, Request, SamplingParams
+from .errors import DliteError
+from .features import LayerCapture, Sequence, target_pass
+from .losses import position_weights
+from .model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
+from .progress import progress_bar
+from .report import paper_results
+from .runner import TargetRunner, decode_path
+from .train import stage_loss, stage_plan, valid_anchors
+
+COPY_BYTES = 1 << 28  # the buffer the device's copy bandwidth is measured with
+OVERHEAD_TOKENS = 24  # decoded at batch 1 to measure the engine's host time per round
+TRAIN_STAGES = ("train-teacher", "warmup", "stable")
+
+
+@dataclasses.dataclass
+class ProfilePlan:
+    contexts: list[int]
+    batches: list[int]
+    widths: list[int]  # tokens per target pass
+    taus: list[float]
+    repeats: int
+    train_steps: int  # 0 = skip the training measurements
+
+
+def default_plan(config: Config, device: torch.device) -> ProfilePlan:
+    """Contexts and batches a GPU (paper scale) or a CPU (the embedded default) is measured at."""
+    k = config.drafter.draft_tokens
+    if device.type == "cuda":
+        contexts, batches, repeats = [1024, 8192, 32768], [1, 16, 64], 15
+    else:
+        contexts, batches, repeats = [512, 2048], [1, 4], 5
+    widths = sorted({1, 2, 3, 4, k + 1, 2 * (k + 1)})
+    return ProfilePlan(contexts, batches, widths, paper_taus(config), repeats, train_steps=3)
+
+
+def paper_taus(config: Config) -> list[float]:
+    """The paper's published DLite τ on its agentic workloads (Table 3) for this target, or for Qwen3-4B."""
+    published = paper_results()["table3_agentic"]["tau"]
+    model = "Qwen3-8B" if "8b" in config.name.lower() else "Qwen3-4B"
+    return [t for t in published[model]["DLite"] if t is not None]
+
+
+def architecture(config: Config):
+    """The target's Hugging Face config (shapes only)."""
+    from transformers import AutoConfig
+
+    shipped = PACKAGE_DIR / "configs" / "architectures" / f"{config.name}.json"
+    if not shipped.is_file():
+        shipped = PACKAGE_DIR.parents[1] / "configs" / "architectures" / f"{config.name}.json"
+    if config.target.model == "micro":
+        from .targets import prepare_target
+
+        return AutoConfig.from_pretrained(prepare_target(config.target, lambda _: None).path)
+    if shipped.is_file():
+        facts = {k: v for k, v in json.loads(shipped.read_text()).items() if not k.startswith("_")}
+        return AutoConfig.for_model(**facts)
+    local = Path(config.target.model).expanduser()
+    if (local / "config.json").is_file():
+        return AutoConfig.from_pretrained(local)
+    raise DliteError(f"no shape facts for target {config.target.model!r}: pass a checkpoint directory with its config.json "
+                     "(--set target.model=DIR), or add configs/architectures/NAME.json")
+
+
+def random_target(arch, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(arch, dtype=dtype).eval().requires_grad_(False)
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    """The median wall time of ``fn()`` in ms, after two warm-up calls (CUDA graphs are captured there)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = now(device)
+        fn()
+        times.append(1000 * (now(device) - start))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second the device moves in a large copy (read + write): the memory-bound floor."""
+    source = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    seconds = median_ms(lambda: target.copy_(source), 5, device) / 1000
+    return 2 * COPY_BYTES / seconds
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one position costs in a KV cache."""
+    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once, less an untied input embedding (a lookup)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embedding is head else total - embedding.numel() * embedding.element_size()
+
+
+def fake_rows(batch: int, context: int, features: int, hidden: int, device, dtype) -> list[Request]:
+    """Rows as the engine holds them mid-decode: ``context`` tokens before the anchor, a pivot."""
+    rows = []
+    for b in range(batch):
+        row = Request([0] * context, SamplingParams())
+        row.output_ids, row.slot = [1], b
+        row.pivot = torch.randn(features, hidden, device=device, dtype=dtype)
+        rows.append(row)
+    return rows
+
+
+class Profiler:
+    def __init__(self, config: Config, plan: ProfilePlan, log=print):
+        self.config, self.plan, self.log = config, plan, log
+        self.device = resolve_device(config.target.device)
+        self.path = decode_path(config.decode.path, self.device)
+        self.arch = architecture(config)
+        self.dtype = getattr(torch, config.target.dtype)
+        self.draft_dtype = getattr(torch, config.decode.draft_dtype)
+        self.model = random_target(self.arch, self.dtype, self.device)
+        self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
+        self.k = config.drafter.draft_tokens
+        spec = self.spec
+        self.target_kv = kv_bytes_per_token(self.arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        self.teacher_kv = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.draft_dtype)
+
+    def run(self) -> dict:
+        torch.manual_seed(0)
+        result = {"target": self.config.name, "hardware": hardware(self.device), "device": str(self.device), "path": self.path,
+                  "dtype": self.config.target.dtype, "draft_dtype": self.config.decode.draft_dtype,
+                  "plan": dataclasses.asdict(self.plan), "weight_bytes": weight_bytes(self.model),
+                  "kv_bytes_per_token": self.target_kv,
+                  "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": []}
+        dlite = DLiteAdapter(Drafter(self.spec).to(self.device, self.draft_dtype).eval(), self.model.get_input_embeddings(), "dlite",
+                             graphs=self.path == "graphs")
+        teacher_spec = dataclasses.replace(self.spec, history_window=FULL_HISTORY)
+        teacher = Drafter(teacher_spec).to(self.device, self.draft_dtype).eval()
+        combos = [(b, c) for b in self.plan.batches for c in self.plan.contexts]
+        with progress_bar("profile", total=len(combos)) as bar:
+            for batch, context in combos:
+                if self._fits(batch, context, result):
+                    self._passes(batch, context, result)
+                    self._drafts(batch, context, dlite, teacher, result)
+                    self._release()
+                bar.update(advance=1)
+        result["overhead"] = self._overhead(dlite)
+        result["predicted"] = self._predicted(result)
+        result["training"] = self._training() if self.plan.train_steps else []
+        return result
+
+    def _fits(self, batch: int, context: int, result: dict) -> bool:
+        """Skip a (batch, context) whose KV caches would not fit in half the free memory."""
+        span = context + max(self.plan.widths)
+        need = batch * span * (self.target_kv + self.teacher_kv)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+        if need <= free / 2:
+            return True
+        result["skipped"].append({"batch": batch, "context": context, "reason": f"needs {need / 1e9:.1f} GB of KV cache, {free / 1e9:.1f} GB free"})
+        return False
+
+    def _release(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _passes(self, batch: int, context: int, result: dict) -> None:
+        runner = TargetRunner(self.model, self.spec.target_layer_ids, batch, context + max(self.plan.widths), path=self.path)
+        slots = list(range(batch))
+        for slot in slots:
+            runner.commit(slot, [0] * context)  # a context of that length (its keys are zeros: the cost is the same)
+        bytes_per_step = result["weight_bytes"] + batch * context * result["kv_bytes_per_token"]
+        for width in self.plan.widths:
+            tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+            ms = median_ms(lambda: runner.verify(slots, tokens), self.plan.repeats, self.device)
+            result["passes"].append({"batch": batch, "context": context, "tokens": width, "ms": round(ms, 3),
+                                     "achieved_gbs": round(bytes_per_step / ms / 1e6, 1),
+                                     "floor_ms": round(1000 * bytes_per_step / (result["copy_bandwidth_gbs"] * 1e9), 3)})
+
+    def _drafts(self, batch: int, context: int, dlite: DLiteAdapter, teacher: Drafter, result: dict) -> None:
+        S, H = len(self.spec.target_layer_ids), self.spec.hidden_size
+        rows = fake_rows(batch, context, S, H, self.device, self.draft_dtype)
+        dlite_ms = median_ms(lambda: dlite.propose(rows, greedy_pick), self.plan.repeats, self.device)
+        history = HistoryAdapter(teacher, self.model.get_input_embeddings(), "history", capacity=context + self.k + 2)
+        for row in rows:
+            history.begin(row, torch.randn(context, S, H, device=self.device, dtype=self.draft_dtype))
+        teacher_ms = median_ms(lambda: history.propose(rows, greedy_pick), self.plan.repeats, self.device)
+        result["drafts"].append({"batch": batch, "context": context, "dlite_ms": round(dlite_ms, 3), "teacher_ms": round(teacher_ms, 3),
+                                 "teacher_kv_bytes": sum(history.kv_bytes(row) for row in rows)})
+
+    def _overhead(self, dlite: DLiteAdapter) -> dict:
+        """Draft, verify and host time per round of a real decode at batch 1 (random weights accept nothing)."""
+        context = min(self.plan.contexts)
+        runner = TargetRunner(self.model, self.spec.target_layer_ids, 1, context + 2 * OVERHEAD_TOKENS + self.k, path=self.path)
+        engine = Engine(runner, dlite, set(), lambda ids: "")
+        prompt = torch.randint(self.arch.vocab_size, (context,)).tolist()
+        engine.run([Request(prompt, SamplingParams(max_new_tokens=4))])  # warm-up (and graph capture)
+        (request,) = engine.run([Request(prompt, SamplingParams(max_new_tokens=OVERHEAD_TOKENS))])
+        stats = request.stats.as_dict()
+        return {"context": context, "rounds": stats["rounds"], "draft_ms": stats["draft_ms_per_round"],
+                "verify_ms": stats["verify_ms_per_round"], "overhead_ms": stats["overhead_ms_per_round"]}
+
+    def _predicted(self, result: dict) -> list[dict]:
+        """Batch 1: a round (draft + verify of K + 1 tokens + host time) in target steps, and the speedup at each τ."""
+        rows = []
+        passes = {(p["batch"], p["context"], p["tokens"]): p["ms"] for p in result["passes"]}
+        drafts = {(d["batch"], d["context"]): d["dlite_ms"] for d in result["drafts"]}
+        for context in self.plan.contexts:
+            step, verify = passes.get((1, context, 1)), passes.get((1, context, self.k + 1))
+            if step is None or verify is None or (1, context) not in drafts:
+                continue
+            round_ms = drafts[1, context] + verify + result["overhead"]["overhead_ms"]
+            rows.append({"context": context, "step_ms": step, "verify_ms": verify, "draft_ms": drafts[1, context],
+                         "overhead_ms": result["overhead"]["overhead_ms"], "round_in_steps": round(round_ms / step, 3),
+                         "speedup": {str(tau): round(tau * step / round_ms, 2) for tau in self.plan.taus}})
+        return rows
+
+    def _training(self) -> list[dict]:
+        """Seconds per optimizer step of ``train.micro_batch`` sequences of ``train.max_length`` tokens, per stage,
+        and the target's no-grad feature pass over the same sequences (what ``train.features: online`` adds)."""
+        train, out = self.config.train, []
+        S, H, T, V = len(self.spec.target_layer_ids), self.spec.hidden_size, train.max_length, self.arch.vocab_size
+        sequences = [Sequence(torch.randint(V, (T,)), T // 4, torch.randn(T, S, H).half(), torch.rand(T, train.target_top_k).half(),
+                              torch.randint(V, (T, train.target_top_k), dtype=torch.int32)) for _ in range(train.micro_batch)]
+        embed = self.model.get_input_embeddings()
+        weights = position_weights(self.k, train.gamma)
+        teacher = None
+        for name in TRAIN_STAGES:
+            plan = stage_plan(name, train)
+            drafter = Drafter(dataclasses.replace(self.spec, history_window=plan.history_window)).to(self.device)
+            optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
+
+            def step():
+                loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, self.device)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            seconds = median_ms(step, self.plan.train_steps, self.device) / 1000
+            out.append(self._rate(name, seconds, sequences))
+            if name == "train-teacher":
+                teacher = drafter.requires_grad_(False).eval()
+            del optimizer
+        capture = LayerCapture(self.model, self.spec.target_layer_ids)
+        try:
+            inputs = [(s.input_ids.tolist(), s.prompt_len) for s in sequences]
+            seconds = median_ms(lambda: target_pass(self.model, capture, inputs, train.target_top_k), self.plan.train_steps, self.device) / 1000
+        finally:
+            capture.remove()
+        out.append(self._rate("target features (online)", seconds, sequences))
+        return out
+
+    def _rate(self, name: str, seconds: float, sequences: list[Sequence]) -> dict:
+        anchors = sum(min(self.config.train.anchors_per_sample, len(valid_anchors(s))) for s in sequences)
+        tokens = sum(len(s.input_ids) for s in sequences)
+        return {"stage": name, "step_s": round(seconds, 4), "anchors_per_s": round(anchors / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}
+
+
+# ---------------------------------------------------------------- the tables
+
+
+def render(result: dict) -> list:
+    """rich Tables of a profile result."""
+    from rich.table import Table
+
+    plan = result["plan"]
+    title = f"{result['target']} on {result['hardware']} ({result['dtype']}, decode path {result['path']})"
+    passes = Table(title=f"target pass, ms, by tokens per pass — {title}; floor = weights + KV read at the copy bandwidth "
+                         f"({result['copy_bandwidth_gbs']} GB/s)")
+    for column in ["batch", "context", *map(str, plan["widths"]), "floor", "achieved GB/s (1 token)"]:
+        passes.add_column(column, justify="right")
+    by_cell = {}
+    for p in result["passes"]:
+        by_cell.setdefault((p["batch"], p["context"]), {})[p["tokens"]] = p
+    for (batch, context), cells in by_cell.items():
+        one = cells[plan["widths"][0]]
+        passes.add_row(str(batch), str(context), *(f"{cells[w]['ms']:.2f}" for w in plan["widths"]), f"{one['floor_ms']:.2f}", f"{one['achieved_gbs']:.0f}")
+    drafts = Table(title="draft round, ms: DLite (no draft history) vs the history teacher and its draft KV cache")
+    for column in ("batch", "context", "DLite", "teacher", "teacher draft KV"):
+        drafts.add_column(column, justify="right")
+    for d in result["drafts"]:
+        drafts.add_row(str(d["batch"]), str(d["context"]), f"{d['dlite_ms']:.2f}", f"{d['teacher_ms']:.2f}", f"{d['teacher_kv_bytes'] / 1e6:.1f} MB")
+    overhead = result["overhead"]
+    predicted = Table(title=f"a DLite round at batch 1 (host overhead measured over {overhead['rounds']} real rounds at "
+                            f"{overhead['context']} tokens: {overhead['overhead_ms']:.2f} ms) and the predicted speedup τ·T_step / T_round")
+    taus = [str(t) for t in plan["taus"]]
+    for column in ["context", "step", "verify", "draft", "overhead", "round / step", *(f"τ {t}" for t in taus)]:
+        predicted.add_column(column, justify="right")
+    for r in result["predicted"]:
+        predicted.add_row(str(r["context"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['overhead_ms']:.2f}",
+                          f"{r['round_in_steps']:.2f}", *(f"{r['speedup'][t]:.2f}×" for t in taus))
+    tables = [passes, drafts, predicted]
+    if result["training"]:
+        training = Table(title="training step of one process (train.micro_batch sequences of train.max_length tokens)")
+        for column in ("stage", "s / step", "anchors / s", "tokens / s"):
+            training.add_column(column, justify="right")
+        for t in result["training"]:
+            training.add_row(t["stage"], f"{t['step_s']:.3f}", f"{t['anchors_per_s']:.0f}", f"{t['tokens_per_s']:.0f}")
+        tables.append(training)
+    return tables
