@@ -8,8 +8,9 @@ import torch
 
 from conftest import DEVICE
 from dlite_cli import engine as engine_module
+from dlite_cli.adaptive import VerifyCosts
 from dlite_cli.config import DrafterConfig, TargetConfig
-from dlite_cli.drafters import Draft, NgramDrafter, NoDrafter, load_proposer
+from dlite_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, load_proposer
 from dlite_cli.errors import DliteError
 from dlite_cli.engine import Engine, Request, SamplingParams, probabilities
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
@@ -56,11 +57,15 @@ def drafter_dirs(micro, tmp_path_factory):
     """Untrained checkpoints of every kind, saved and loaded the way users' exports are."""
     model, _ = micro
     dirs = {}
-    for name, window, head in (("dlite", 0, True), ("parallel", 0, False), ("teacher", FULL_HISTORY, True), ("window3", 3, True)):
-        spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16, sequential_head=head), window)
+    kinds = (("dlite", 0, True, 0), ("parallel", 0, False, 0), ("teacher", FULL_HISTORY, True, 0), ("window3", 3, True, 0), ("vocab128", 0, True, 128))
+    for name, window, head, vocab in kinds:
+        options = DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16, sequential_head=head, draft_vocab=vocab)
         torch.manual_seed(0)
+        drafter = Drafter(DrafterSpec.for_target(model.config, options, window))
+        if vocab:
+            drafter.set_draft_vocab(torch.randperm(model.config.vocab_size)[:vocab])
         dirs[name] = tmp_path_factory.mktemp(name)
-        Drafter(spec).save(dirs[name])
+        drafter.save(dirs[name])
     return dirs
 
 
@@ -85,8 +90,10 @@ class OracleDrafter(NoDrafter):
 
 
 def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=(), path="eager"):
+    """On the static path every pass is K + 1 wide (plain decoding padded too), as the bench runs it."""
     model, tokenizer = micro
-    runner = TargetRunner(model, proposer.target_layers, slots=slots, capacity=capacity, prefill_chunk=chunk, path=path)
+    width = K + 1 if path == "static" else 1
+    runner = TargetRunner(model, proposer.target_layers, slots=slots, capacity=capacity, prefill_chunk=chunk, path=path, width=width)
     return Engine(runner, proposer, set(eos), lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
@@ -100,7 +107,7 @@ def proposer_for(name, micro, drafter_dirs, prompts, reference):
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
-@pytest.mark.parametrize("name", ["none", "ngram", "dlite", "parallel", "teacher", "window3", "oracle"])
+@pytest.mark.parametrize("name", ["none", "ngram", "dlite", "parallel", "teacher", "window3", "vocab128", "oracle"])
 def test_greedy_output_is_the_targets_own_batched_and_alone(name, path, micro, drafter_dirs, prompts, reference):
     """Three mixed-length prompts through two slots (the third joins when a row leaves; on the static
     path the bucket of two then pads the slot that is free), then each alone."""
@@ -144,6 +151,38 @@ def test_static_path_pads_rows_to_buckets_and_decodes_the_same(micro, prompts, r
         assert request.output_ids == reference[i % 3][:budget]
     assert {bucket for bucket, _, _ in passes} >= {1, 4, 5} and any(bucket > rows for bucket, _, rows in passes)
     assert {width for _, width, _ in passes} == {K + 1}
+
+
+@pytest.mark.parametrize("name", ["ngram", "dlite", "teacher", "vocab128", "dlite+ngram"])
+def test_adaptive_proposals_are_cut_and_skipped_and_the_output_stays_the_targets(name, micro, drafter_dirs, prompts, reference):
+    """Each token added to a pass costs a third of a step here, so the random drafters' proposals are cut
+    short and rows are left undrafted; the greedy output is the target's own all the same."""
+    base = name.removesuffix("+ngram")
+    drafter = "ngram" if name == "ngram" else str(drafter_dirs[base]) + name[len(base) :]
+    proposer = load_proposer(drafter, None, micro[0], capacity=1024, ngram_tokens=K, dtype="float32")
+    engine = make_engine(micro, proposer)
+    proposer.costs = VerifyCosts([30.0, 40.0, 50.0, 60.0, 70.0])
+    budgets = [NEW_TOKENS, NEW_TOKENS - 7, NEW_TOKENS]
+    requests = [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    engine.run(requests)
+    for request, expected, budget in zip(requests, reference, budgets):
+        assert request.output_ids == expected[:budget]
+    stats = engine.stats
+    assert sum(stats.proposed) < K * stats.rounds and stats.proposed[0] < stats.rounds  # cut, and rounds with nothing proposed
+    if name != "ngram":
+        assert proposer.draft_ms > 0 if name != "dlite+ngram" else proposer.model.draft_ms > 0
+
+
+def test_the_hybrid_takes_the_lookup_where_the_text_repeats_and_the_model_elsewhere(micro, drafter_dirs, prompts):
+    model, _ = micro
+    proposer = load_proposer(str(drafter_dirs["dlite"]) + "+ngram", None, model, capacity=1024, dtype="float32")
+    repeated = prompts[1][:20] * 3  # the target continues a repetition it has seen: lookup proposals get accepted
+    engine = make_engine(micro, proposer)
+    (request,) = engine.run([Request(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))])
+    (plain,) = make_engine(micro, NoDrafter()).run([Request(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))])
+    assert request.output_ids == plain.output_ids
+    assert proposer.name == f"{drafter_dirs['dlite'].name}+ngram" and proposer.kv_bytes(request) == 0
+    assert proposer.lookup.calibration.counts and proposer.model.calibration.counts == {}  # the lookup proposed; non-adaptive DLite records no bins
 
 
 def test_rollback_leaves_the_cache_of_the_accepted_tokens_alone(micro, prompts, reference):
@@ -238,23 +277,32 @@ def test_requests_that_cannot_fit_are_refused(micro):
 # ---------------------------------------------------------------- sampling
 
 
-class SelfDrafter(NoDrafter):
-    """Drafts by sampling the target itself at a sharper temperature: q overlaps p but differs from it."""
+class SelfDrafter(ModelDrafter):
+    """Drafts by sampling the target itself at a sharper temperature: q overlaps p but differs from it.
+    With ``vocabulary`` it can propose only those tokens (a reduced draft vocabulary: q = 0 elsewhere);
+    with ``costs`` it proposes adaptively, as DLite does."""
 
-    name, draft_tokens = "self", 2
+    def __init__(self, model, vocabulary=None):
+        super().__init__("self", 2, [])
+        self.model, self.vocabulary = model, vocabulary
 
-    def __init__(self, model):
-        self.model = model
+    @property
+    def _device(self):
+        return torch.device("cpu")
 
-    def propose(self, rows, pick):
+    def _model_draft(self, rows, pick):
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
         logits = torch.zeros(len(rows), self.draft_tokens, self.model.config.vocab_size)
         for i in range(self.draft_tokens):
             for b, row in enumerate(rows):
                 ids = row.tokens + tokens[b, :i].tolist()
                 logits[b, i] = 3 * self.model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1]  # q kept on the CPU
+                if self.vocabulary is not None:
+                    outside = torch.ones_like(logits[b, i], dtype=torch.bool).index_fill_(0, self.vocabulary, False)
+                    logits[b, i] = logits[b, i].masked_fill(outside, float("-inf"))
             tokens[:, i] = pick(logits[:, i])  # the engine's picker samples each row's q
-        return Draft(tokens, [self.draft_tokens] * len(rows), logits)
+        confidence = torch.stack([probabilities(logits[b], row.params).gather(-1, tokens[b, :, None])[:, 0] for b, row in enumerate(rows)])
+        return Draft(tokens, [self.draft_tokens] * len(rows), logits, confidence)
 
 
 def exact_marginals(model, prompt, params, positions):
@@ -287,9 +335,16 @@ def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
     return statistic < critical
 
 
-def sampled_positions(micro, prompt, params, count, path="eager"):
+def sampled_positions(micro, prompt, params, count, path="eager", vocabulary=None, how="fixed"):
+    """``how``: fixed (K every round), adaptive (cut where the next token does not pay, rows skipped)
+    or hybrid (prompt lookup where it is expected to do better, the self-drafter elsewhere)."""
     model, _ = micro
-    engine = make_engine(micro, SelfDrafter(model), slots=16, path=path)
+    drafter = SelfDrafter(model, vocabulary)
+    if how == "hybrid":
+        drafter = HybridDrafter(drafter, NgramDrafter(2), model.config.vocab_size)
+    if how != "fixed":
+        drafter.costs = VerifyCosts([3000.0, 4500.0, 6000.0])  # a step dwarfs a draft, a token costs half a step: some are cut
+    engine = make_engine(micro, drafter, slots=16, path=path)
     requests = [Request(prompt, SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i)) for i in range(count)]
     with torch.no_grad():
         engine.run(requests)
@@ -302,9 +357,13 @@ def test_speculative_sampling_matches_the_targets_distribution_and_a_broken_rule
     params = SamplingParams(temperature=0.05, top_k=5)
     with torch.no_grad():
         expected = exact_marginals(model, prompts[0], params, 3)
-    for path in ("eager", "static"):
-        samples = sampled_positions(micro, prompts[0], params, 600, path)
-        assert all(chi_square_passes(s, e) for s, e in zip(samples, expected)), path
+    # the draft vocabulary holds one of the 3 likeliest tokens at each position: drafts are often rejected
+    likely = torch.stack(expected).topk(3, dim=-1).indices
+    vocabulary = torch.cat([likely[:, 0], torch.arange(300, 400)]).unique()
+    for path, vocabulary, how in (("eager", None, "fixed"), ("static", None, "fixed"), ("eager", vocabulary, "fixed"),
+                                  ("eager", None, "adaptive"), ("eager", None, "hybrid")):
+        samples = sampled_positions(micro, prompts[0], params, 600, path, vocabulary, how)
+        assert all(chi_square_passes(s, e) for s, e in zip(samples, expected)), (path, how)
     # the classic bug: after a rejection, resample from p instead of the residual max(p − q, 0)
     monkeypatch.setattr(engine_module, "residual_distribution", lambda p, q: p)
     broken = sampled_positions(micro, prompts[0], params, 600)

@@ -61,3 +61,18 @@ def test_stable_loss_mixes_ce_and_tv():
     mixed = stable_loss(logits, labels, probs, ids, valid, weights, lambda_ce=0.1, lambda_tv=1.0)
     expected = 0.1 * cross_entropy(logits, labels, valid, weights) + total_variation(logits, probs, ids, valid, weights)
     assert torch.allclose(mixed, expected)
+
+
+def test_tokens_outside_the_draft_vocabulary():
+    """A drafter scoring only tokens 0..6 of the target's 11: its q is 0 on 7..10, which TV counts in
+    full, and a label among them is one CE cannot learn, so it is skipped."""
+    p = torch.softmax(teacher, -1)
+    probs, ids = p.topk(V, -1)
+    draft_ids = torch.where(ids < 7, ids, -1)
+    small = logits[..., :7]
+    q_small = torch.softmax(small, -1)
+    expected = reference(lambda b, i: float((p[b, i, :7] - q_small[b, i]).abs().sum() + p[b, i, 7:].sum()))
+    assert math.isclose(total_variation(small, probs, draft_ids, valid, weights).item(), expected, rel_tol=1e-5)
+    draft_labels = torch.where(labels < 7, labels, -1)
+    expected = reference(lambda b, i: -math.log(q_small[b, i][labels[b, i]]) if labels[b, i] < 7 else 0.0)
+    assert math.isclose(cross_entropy(small, draft_labels, valid, weights).item(), expected, rel_tol=1e-5)

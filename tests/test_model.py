@@ -5,7 +5,7 @@ from transformers import AutoConfig
 from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, MicroConfig, TargetConfig, load_config
 from dlite_cli.errors import DliteError
-from dlite_cli.features import LayerCapture, target_pass
+from dlite_cli.features import LayerCapture, Sequence, target_pass
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, select_layers
 from dlite_cli.targets import load_model, prepare_target
 from dlite_cli.train import anchor_batch, batch_loss, Trainer
@@ -28,7 +28,7 @@ def make(target, window, **drafter):
 def sequence_of(target, ids, prompt_len=3):
     capture = LayerCapture(target, select_layers(target.config.num_hidden_layers, 3))
     try:
-        return target_pass(target, capture, [(ids, prompt_len)], top_k=8)[0]
+        return target_pass(target, capture, [{"input_ids": ids, "prompt_len": prompt_len}], top_k=8)[0]
     finally:
         capture.remove()
 
@@ -51,7 +51,7 @@ def test_shapes(target, window, options):
     logits = drafter(batch.context, embeds, batch.previous, **batch.history)
     assert logits.shape == (3, K, target.config.vocab_size)
     history = drafter.history(**batch.history) if window != 0 else None
-    tokens, draft_logits = drafter.draft(batch.context, embeds, batch.anchor, history)
+    tokens, draft_logits, confidence = drafter.draft(batch.context, embeds, batch.anchor, history)
     assert tokens.shape == (3, K) and torch.equal(tokens, draft_logits.argmax(-1))
     assert batch.valid.tolist()[2] == [True, False, False, False]  # anchor 28 of 30 tokens has one label
     assert ("history_fuse.weight" in drafter.state_dict()) == (window != 0)
@@ -122,3 +122,43 @@ def test_svd_head_init_reproduces_the_target_lm_head_at_full_rank(target):
     h = torch.randn(2, K, 64)
     logits = drafter.head(h, torch.zeros(2, K, dtype=torch.long))
     assert torch.allclose(logits[:, 0], h[:, 0] @ lm_head.T.cpu(), atol=1e-4)  # position 1: the RNN state is still 0
+
+
+def test_a_reduced_draft_vocabulary_scores_only_its_tokens_and_is_saved(target, tmp_path):
+    """draft_vocab N: logits over N tokens, drafts mapped to target ids, the map saved with the weights;
+    labels and p^T ids outside it are −1, which CE skips and TV counts as q = 0."""
+    drafter = make(target, 0, draft_vocab=40).to(DEVICE)
+    vocabulary = torch.arange(300, 340).flip(0)  # the most frequent first
+    drafter.set_draft_vocab(vocabulary)
+    sequence = sequence_of(target, list(range(10, 40)))
+    batch = anchor_batch(sequence, torch.tensor([5, 12, 20]), K, 0).to(DEVICE)
+    embeds = target.get_input_embeddings()(batch.anchor)
+    assert drafter(batch.context, embeds, batch.previous).shape == (3, K, 40)
+    tokens, logits, confidence = drafter.draft(batch.context, embeds, batch.anchor)
+    assert torch.equal(tokens, drafter.draft_ids[logits.argmax(-1)]) and ((tokens >= 300) & (tokens < 340)).all()
+    assert torch.allclose(confidence, torch.softmax(logits, -1).max(-1).values) and (confidence > 0).all()
+    full = drafter.full_vocab_logits(logits)
+    assert full.shape == (3, K, target.config.vocab_size) and torch.isinf(full[..., :300]).all()
+    assert torch.equal(drafter.to_draft(torch.tensor([339, 300, 5], device=DEVICE)), torch.tensor([0, 39, -1], device=DEVICE))
+    drafter.save(tmp_path / "d")
+    loaded = Drafter.load(tmp_path / "d", target.config)
+    assert loaded.spec.draft_vocab_size == 40 and torch.equal(loaded.draft_ids, vocabulary)
+    assert "head.draft_ids" not in make(target, 0).state_dict()  # the whole vocabulary needs no map
+    with pytest.raises(DliteError, match="has 3 tokens, the drafter expects 40"):
+        drafter.set_draft_vocab(torch.tensor([1, 2, 3]))
+
+
+def test_labels_of_a_kept_original_response_are_the_targets_own_while_the_text_follows_it():
+    """Text 10 11 12 13 14 15; the target's argmax after each position is 11 12 99 14 15 16 (it would
+    have written 99 after 12).  From anchor 1 (token 11): labels 12, 99; the third would condition on
+    13, which the target did not write, so it and all after it are invalid.  From anchor 3: 14, 15, and
+    the text ends."""
+    input_ids = torch.tensor([10, 11, 12, 13, 14, 15])
+    greedy = torch.tensor([11, 12, 99, 14, 15, 16])
+    top_ids = torch.stack([greedy, greedy + 1], dim=1).int()
+    sequence = Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids, labels_from_target=True)
+    batch = anchor_batch(sequence, torch.tensor([1, 3]), K, 0)
+    assert batch.valid.tolist() == [[True, True, False, False], [True, True, False, False]]
+    assert batch.labels.tolist() == [[12, 99, -100, -100], [14, 15, -100, -100]]
+    regenerated = anchor_batch(Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids), torch.tensor([1]), K, 0)
+    assert regenerated.labels.tolist() == [[12, 13, 14, 15]]  # the target wrote the text itself: labels are the text

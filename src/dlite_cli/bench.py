@@ -26,7 +26,7 @@ from pathlib import Path
 from .artifacts import Stage, atomic_write_json
 from .config import Config, config_hash
 from .devices import hardware
-from .drafters import load_proposer, resolve_drafter_path
+from .drafters import load_proposer, resolve_drafter_path, split_fixed
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .progress import progress_bar
@@ -80,7 +80,7 @@ class Bench:
     def run(self, force: bool = False) -> bool:
         """Measure what is missing; False if the bench was already done with this plan."""
         model, self.tokenizer, target = load_target(self.config.target, self.log)
-        self.path = decode_path(self.config.decode.path, model.device)
+        self.path = decode_path(self.config.decode.path, model.device, model.dtype)
         recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode), "drafter": dataclasses.asdict(self.config.drafter),
                     "decode_path": self.path}
         if not self.stage.begin(config_hash(recorded, target.fingerprint), recorded, {"target": target.fingerprint}, force):
@@ -96,7 +96,7 @@ class Bench:
             name = METHOD_NAMES.get(method, method)
             try:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
-                self.drafters[method] = name if name in ("none", "ngram") else str(resolve_drafter_path(name, self.stage.dir.parent))
+                self.drafters[method] = name if split_fixed(name)[0] in ("none", "ngram") else str(resolve_drafter_path(split_fixed(name)[0], self.stage.dir.parent))
             except DliteError as e:
                 unavailable["methods"][method] = str(e)
         # Methods share a runner where their drafters read the same target layers (those that read none
@@ -107,8 +107,11 @@ class Bench:
         for method, proposer in proposers.items():
             layers = tuple(proposer.target_layers) or shared
             if layers not in runners:
-                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path)
-            self.engines[method] = Engine(runners[layers], proposer, eos, detokenize)
+                # one width for every method: on the static path each position is computed with the same shapes
+                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path,
+                                               self.config.drafter.draft_tokens + 1)
+            adaptive = self.config.decode.adaptive and split_fixed(method)[1]
+            self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
         episodes = {}
         for name in self.plan.workloads:
             result = load(BY_NAME[name], self.plan.data.get(name), self.plan.limit)
@@ -198,8 +201,10 @@ class Bench:
                 if (level, method) in done:
                     continue
                 runner = engine.runner
-                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, runner.path)
-                wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)
+                # throughput: each method at its own width (plain decoding at its fastest, one token a pass)
+                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, runner.path,
+                                           engine.drafter.draft_tokens + 1)
+                wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
                 start = time.perf_counter()
                 requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])
                 seconds = time.perf_counter() - start

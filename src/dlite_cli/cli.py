@@ -31,7 +31,8 @@ SetOption = Annotated[
     Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
 ]
 DrafterOption = Annotated[
-    str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory.")
+    str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory; "
+                           "NAME+ngram adds prompt lookup, NAME:fixed proposes all K tokens every round.")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
 
@@ -211,7 +212,8 @@ def bench(
     set_: SetOption = None,
     suite: Annotated[str, typer.Option(help="general, long, agentic or all.")] = "all",
     workload: Annotated[Optional[str], typer.Option(help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories.")] = "ar,dlite,history,parallel,ngram",
+    methods: Annotated[str, typer.Option(help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories; "
+                                               "NAME+ngram pairs a drafter with prompt lookup, NAME:fixed proposes all K every round.")] = "ar,dlite,dlite:fixed,history,parallel,ngram,dlite+ngram",
     limit: Annotated[int, typer.Option(min=1, help="Episodes per workload.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per assistant turn.")] = 64,
     temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy: every method writes the same text).")] = 0.0,

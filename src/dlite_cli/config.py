@@ -70,7 +70,8 @@ class TargetConfig:
     """The target model: a built-in name (``smollm2-135m``, ``micro``), a hub id or a local path."""
 
     model: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16 decodes faster, measured once per machine
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # Where every stage runs the target and the drafter: auto (CUDA when available), cpu, cuda, cuda:N.
     # Under `accelerate launch` each process uses its own GPU and only cpu vs cuda is taken from here.
     device: str = _checked("auto", check=lambda v: DEVICE_PATTERN.fullmatch(v) is not None, says="be auto, cpu, cuda or cuda:N")
@@ -92,6 +93,11 @@ class SourceConfig:
     name: PromptSourceName
     count: int = positive()
     path: str | None = None  # hub id or local file/dir; None = the source's default
+    # regenerate: the target writes the response (the paper's data).  original: the response the source
+    # already has (ShareGPT's answer, the stdlib function's own code) is kept as it is and the target only
+    # reads it, teacher-forced, at prefill speed; its labels are then the target's own next tokens,
+    # never the text's.  A later source skips the prompts an earlier one took.
+    responses: Literal["regenerate", "original"] = "regenerate"
 
 
 @dataclass
@@ -121,6 +127,9 @@ class DrafterConfig:
     sequential_head: bool = True
     composition: Literal["sequence", "feature"] = "sequence"
     head_init: Literal["random", "target-svd"] = "random"  # target-svd: rank-R SVD of the target's LM head
+    # The head scores only the N most frequent tokens of the training responses (EAGLE-3's reduced
+    # vocabulary); a token outside them is never proposed.  0 = the target's whole vocabulary.
+    draft_vocab: int = non_negative(0)
 
 
 @dataclass
@@ -166,6 +175,9 @@ class DecodeConfig:
     #   graphs  static, each (bucket, width) target pass and the DLite draft round captured as a CUDA graph
     #   auto    graphs on CUDA, eager on a CPU
     path: Literal["auto", "eager", "static", "graphs"] = "auto"
+    # Propose per row only the tokens expected to pay for their verify, at the verify cost measured at
+    # start-up (adaptive.py; eager path).  A method name ending in :fixed always proposes K, as the paper does.
+    adaptive: bool = True
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -47,3 +48,15 @@ def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def median_ms(fn, repeats: int, device: torch.device) -> float:
+    """The median wall time of ``fn()`` in ms, after two warm-up calls (CUDA graphs are captured there)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = now(device)
+        fn()
+        times.append(1000 * (now(device) - start))
+    return statistics.median(times)

@@ -1,17 +1,23 @@
 """Drafters behind one small interface, each a thin adapter the engine calls once per round.
 
-    propose(rows, pick) → Draft          K proposals per row (fewer where a row has nothing to say)
+    propose(rows, pick) → Draft          up to K proposals per row (fewer where they would not pay)
+    observe(row, accepted)               how many of this round's proposals the target accepted
     begin(row, prompt_features)          a row joins (history drafters build their draft KV cache)
     extend(row, features)                positions that became history this round (history drafters)
     end(row)                             a row leaves
     kv_bytes(row)                        draft-side KV cache held for the row (0 for DLite)
+
+With ``costs`` (the target's measured verify cost per tokens in the pass, adaptive.py) a drafter
+proposes per row only as many tokens as are expected to pay for their verify, and a model drafter
+skips rows whose drafts have lately not paid for the draft round; without, every row gets K.
 
 ``row`` is the engine's Request: ``slot``, ``tokens`` (committed ids, the anchor last), ``pivot``
 (S, H) target features at the position before the anchor, ``anchor`` and ``position`` (its
 absolute position).  Methods: ``none`` (autoregressive), ``ngram`` (prompt lookup), ``dlite`` and
 ``parallel`` (W = 0 checkpoints, with or without the sequential head), ``history`` (W ≠ 0: the
 teacher or a sliding-window drafter, which must keep a KV cache over the history — the cost
-DLite removes).
+DLite removes), and ``dlite+ngram`` (prompt lookup where it is expected to beat DLite, DLite
+elsewhere; neither keeps a draft KV cache).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
+from .devices import now
 from .errors import DliteError
 from .graphs import BUCKETS, CudaGraphs, bucket_for
 from .model import FULL_HISTORY, Drafter, History, greedy_pick
@@ -28,13 +36,18 @@ from .model import FULL_HISTORY, Drafter, History, greedy_pick
 # drafter names → the run-directory stage whose export they load
 STAGE_OF = {"dlite": "stable", "history": "train-teacher", "parallel": "stable-parallel", "scratch": "stable-scratch"}
 NGRAM_SIZES = (3, 2, 1)  # prompt lookup tries the longest suffix first
+LOOKUP_PRIOR = {3: 0.6, 2: 0.4, 1: 0.2}  # a lookup proposal's chance of acceptance by match length, before any is seen
+CONFIDENCE_BINS = 20  # a model drafter's probabilities are calibrated per bin of this width (1/20)
+HYBRID_SUFFIX = "+ngram"
+FIXED_SUFFIX = ":fixed"
 
 
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (B, K) long; positions at or beyond a row's length are padding
     lengths: list[int]  # (B,) proposals per row
-    logits: torch.Tensor | None  # (B, K, V) the drafter's logits, or None: each proposal is certain (point mass)
+    logits: torch.Tensor | None  # (B, K, V) the drafter's logits for sampling rows, or None: each proposal is certain (point mass)
+    confidence: torch.Tensor | None = None  # (B, K) the drafter's probability of each proposal, if it has one
 
 
 class NoDrafter:
@@ -42,9 +55,14 @@ class NoDrafter:
 
     name, draft_tokens, needs_all_features = "none", 0, False
     target_layers: list[int] = []  # the target layers whose states the drafter reads
+    costs: VerifyCosts | None = None  # set by the engine to propose adaptively
 
     def propose(self, rows, pick) -> Draft:
         return Draft(torch.zeros(len(rows), 0, dtype=torch.long), [0] * len(rows), None)
+
+    def observe(self, row, accepted: int, next_token: int | None) -> None:
+        """The target accepted ``accepted`` of this round's proposals for ``row``; ``next_token`` is its own
+        next token for a greedy row (None when sampled)."""
 
     def begin(self, row, prompt_features) -> None:
         pass
@@ -61,21 +79,46 @@ class NoDrafter:
 
 class NgramDrafter(NoDrafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
-    the K tokens that followed it.  Training-free; strong when outputs copy from the context."""
+    the K tokens that followed it.  Training-free; strong when outputs copy from the context.  Its
+    chance of acceptance is learnt per match length and position."""
 
     name, needs_all_features = "ngram", False
 
     def __init__(self, draft_tokens: int):
         self.draft_tokens = draft_tokens
+        self.calibration = Calibration(prior=lambda key: LOOKUP_PRIOR[key[0]])  # key: (match length, position)
+        self.proposed: dict[int, Candidate] = {}  # slot → this round's candidate
 
     def propose(self, rows, pick) -> Draft:
-        proposals = [self._lookup(torch.tensor(row.tokens)) for row in rows]
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
-        for b, proposal in enumerate(proposals):
-            tokens[b, : len(proposal)] = proposal
-        return Draft(tokens, [len(p) for p in proposals], None)
+        lengths = []
+        for b, row in enumerate(rows):
+            candidate = self.proposed[row.slot] = self.candidate(row)
+            tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
+            lengths.append(candidate.proposed)
+        return Draft(tokens, lengths, None)
 
-    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+    def candidate(self, row) -> Candidate:
+        """The lookup's continuation for ``row``, of which the part worth proposing is proposed."""
+        continuation, n = self._lookup(torch.tensor(row.tokens))
+        keys = [(n, i) for i in range(len(continuation))]
+        proposed = len(keys) if self.costs is None else self.costs.best_length([self.calibration.estimate(k) for k in keys], 0.0)
+        return Candidate(continuation.tolist(), keys, proposed)
+
+    def expected_gain(self, candidate: Candidate) -> float:
+        """Expected accepted tokens of the candidate's proposal."""
+        expected, reach = 0.0, 1.0
+        for key in candidate.keys[: candidate.proposed]:
+            reach *= self.calibration.estimate(key)
+            expected += reach
+        return expected
+
+    def observe(self, row, accepted: int, next_token: int | None) -> None:
+        if row.slot in self.proposed:
+            self.calibration.observe_round(self.proposed.pop(row.slot), accepted, next_token)
+
+    def _lookup(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The continuation after the latest earlier match of the longest suffix that has one, and its length n."""
         for n in NGRAM_SIZES:
             if len(tokens) <= n:
                 continue
@@ -83,11 +126,71 @@ class NgramDrafter(NoDrafter):
             hits = (windows == tokens[-n:]).all(dim=1).nonzero().flatten()
             if len(hits):
                 start = int(hits[-1]) + n
-                return tokens[start : start + self.draft_tokens]
-        return tokens[:0]
+                return tokens[start : start + self.draft_tokens], n
+        return tokens[:0], 0
 
 
-class DLiteAdapter(NoDrafter):
+class ModelDrafter(NoDrafter):
+    """A drafter that runs a model for K proposals with a probability each (``_model_draft``).  Adaptive,
+    each proposal's chance of acceptance is learnt per bin of that probability, and a row is drafted
+    only while its recent gain pays for the round."""
+
+    def __init__(self, name: str, draft_tokens: int, target_layers: list[int]):
+        self.name, self.draft_tokens, self.target_layers = name, draft_tokens, target_layers
+        self.calibration = Calibration(prior=lambda key: (key + 0.5) / CONFIDENCE_BINS)  # key: the probability's bin
+        self.gain = RowGain()
+        self.proposed: dict[int, Candidate] = {}  # slot → this round's candidate (absent: not drafted)
+        self.draft_ms = 0.0  # a model round's time, recently
+
+    def propose(self, rows, pick) -> Draft:
+        B, K = len(rows), self.draft_tokens
+        drafted = [b for b, row in enumerate(rows) if self.costs is None or self.costs.worth_drafting(self.gain.expected(row.slot), self.draft_ms)]
+        for b in set(range(B)) - set(drafted):
+            self.gain.skipped(rows[b].slot)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
+        if not drafted:
+            return Draft(tokens, [0] * B, None)
+        start = now(self._device)
+        draft = self._model_draft([rows[b] for b in drafted], pick)
+        elapsed = 1000 * (now(self._device) - start)
+        self.draft_ms = 0.5 * (self.draft_ms + elapsed) if self.draft_ms else elapsed
+        lengths = [0] * B
+        if self.costs is None:
+            lengths = [K if b in drafted else 0 for b in range(B)]
+        else:  # one read of the drafts and their probabilities
+            read = torch.cat([draft.tokens.float(), draft.confidence.float()], dim=1).tolist()
+            for i, b in enumerate(drafted):
+                keys = [min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for c in read[i][K:]]
+                proposed = self.costs.best_length([self.calibration.estimate(k) for k in keys], self.draft_ms)
+                self.proposed[rows[b].slot] = Candidate([int(t) for t in read[i][:K]], keys, proposed)
+                lengths[b] = proposed
+        for b in drafted:
+            self.gain.drafting.add(rows[b].slot)
+        if len(drafted) == B:
+            return Draft(draft.tokens, lengths, draft.logits, draft.confidence)
+        index = torch.tensor(drafted, device=self._device)
+        logits = None if draft.logits is None else one_hot_logits(tokens, draft.logits.shape[-1]).index_copy_(0, index, draft.logits)
+        return Draft(tokens.index_copy_(0, index, draft.tokens), lengths, logits)
+
+    def observe(self, row, accepted: int, next_token: int | None) -> None:
+        if row.slot in self.proposed:
+            self.calibration.observe_round(self.proposed.pop(row.slot), accepted, next_token)
+        if row.slot in self.gain.drafting:  # it was drafted this round
+            self.gain.drafted(row.slot, accepted)
+
+    def end(self, row) -> None:
+        self.gain.forget(row.slot)
+
+    def _model_draft(self, rows, pick) -> Draft:
+        """K proposals for every row: tokens, logits (over the target's vocabulary, for sampling rows), confidence."""
+        raise NotImplementedError
+
+    @property
+    def _device(self) -> torch.device:
+        raise NotImplementedError
+
+
+class DLiteAdapter(ModelDrafter):
     """A W = 0 checkpoint (DLite, or the parallel ablation): one block from the pivot features and the anchor.
 
     Its round has fixed shapes whatever the context, so with ``graphs`` a greedy round is one CUDA
@@ -96,28 +199,32 @@ class DLiteAdapter(NoDrafter):
     needs_all_features = False
 
     def __init__(self, drafter: Drafter, embed, name: str, graphs: bool = False):
-        self.drafter, self.embed, self.name = drafter, embed, name
-        self.draft_tokens, self.target_layers = drafter.spec.draft_tokens, drafter.spec.target_layer_ids
+        super().__init__(name, drafter.spec.draft_tokens, drafter.spec.target_layer_ids)
+        self.drafter, self.embed = drafter, embed
         self.graphs = CudaGraphs(enabled=graphs)
 
-    def propose(self, rows, pick) -> Draft:
+    def _model_draft(self, rows, pick) -> Draft:
         context, anchors = self._inputs(rows)
         if self.graphs.enabled and pick is greedy_pick:
             B = len(rows)
             rows_padded = [*range(B), *[0] * (bucket_for(B, max(B, BUCKETS[-1])) - B)]
-            tokens, logits = self.graphs.run(len(rows_padded), self._block, context[rows_padded], anchors[rows_padded])
-            tokens, logits = tokens[:B], logits[:B]
+            tokens, logits, confidence = self.graphs.run(len(rows_padded), self._block, context[rows_padded], anchors[rows_padded])
+            tokens, logits, confidence = tokens[:B], logits[:B], confidence[:B]
         else:
-            tokens, logits = self._block(context, anchors, pick)
-        return Draft(tokens, [self.draft_tokens] * len(rows), logits)
+            tokens, logits, confidence = self._block(context, anchors, pick, self._history(rows))
+        logits = None if pick is greedy_pick else self.drafter.full_vocab_logits(logits)
+        return Draft(tokens, [self.draft_tokens] * len(rows), logits, confidence)
 
     def _inputs(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' pivot features (B, S, H) in the drafter's dtype and anchors (B,), on its device."""
         return torch.stack([row.pivot for row in rows]).to(self._dtype), torch.tensor([row.anchor for row in rows], device=self._device)
 
     def _block(self, context, anchors, pick=greedy_pick, history: History | None = None):
-        """context (B, S, H), anchors (B,) → draft tokens (B, K), logits (B, K, V)."""
+        """context (B, S, H), anchors (B,) → draft tokens (B, K), logits (B, K, V'), confidence (B, K)."""
         return self.drafter.draft(context, self.embed(anchors).to(self._dtype), anchors, history, pick)
+
+    def _history(self, rows) -> History | None:
+        return None
 
     @property
     def _device(self) -> torch.device:
@@ -126,6 +233,63 @@ class DLiteAdapter(NoDrafter):
     @property
     def _dtype(self) -> torch.dtype:
         return self.drafter.placeholders.dtype
+
+
+class HybridDrafter(NoDrafter):
+    """``dlite+ngram``: per row and round, prompt lookup's continuation when the tokens it is expected to
+    get accepted are at least the model drafter's recent gain for that row, the model's block otherwise.
+    Lookup reads the token ids the engine holds and DLite keeps no history, so the hybrid holds no draft
+    KV cache either; rows that take the lookup cost the model nothing."""
+
+    needs_all_features = False
+
+    def __init__(self, model: ModelDrafter, lookup: NgramDrafter, vocab_size: int):
+        self.model, self.lookup, self.vocab_size = model, lookup, vocab_size
+        self.name = f"{model.name}{HYBRID_SUFFIX}"
+        self.draft_tokens, self.target_layers = model.draft_tokens, model.target_layers
+
+    @property
+    def costs(self) -> VerifyCosts | None:
+        return self.model.costs
+
+    @costs.setter
+    def costs(self, costs: VerifyCosts | None) -> None:
+        self.model.costs = self.lookup.costs = costs
+
+    def propose(self, rows, pick) -> Draft:
+        B, K = len(rows), self.draft_tokens
+        tokens = torch.zeros(B, K, dtype=torch.long, device=self.model._device)
+        lengths, by_model = [0] * B, []
+        for b, row in enumerate(rows):
+            candidate = self.lookup.candidate(row)
+            if candidate.proposed and self.lookup.expected_gain(candidate) >= self.model.gain.expected(row.slot):
+                self.lookup.proposed[row.slot] = candidate
+                tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
+                lengths[b] = candidate.proposed
+            else:
+                by_model.append(b)
+        if not by_model:
+            return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
+        draft = self.model.propose([rows[b] for b in by_model], pick)
+        index = torch.tensor(by_model, device=tokens.device)
+        tokens.index_copy_(0, index, draft.tokens.to(tokens.device))
+        for i, b in enumerate(by_model):
+            lengths[b] = draft.lengths[i]
+        logits = None if draft.logits is None else one_hot_logits(tokens, self.vocab_size).index_copy_(0, index, draft.logits.to(tokens.device))
+        return Draft(tokens, lengths, logits)
+
+    def observe(self, row, accepted: int, next_token: int | None) -> None:
+        self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
+        self.model.observe(row, accepted, next_token)
+
+    def end(self, row) -> None:
+        self.model.end(row)
+
+
+def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits (B, K, V) of proposals that are certain: 0 at each token, −inf elsewhere (q is a point mass)."""
+    logits = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)
+    return logits.scatter_(-1, tokens[..., None], 0.0)
 
 
 class HistoryAdapter(DLiteAdapter):
@@ -159,12 +323,8 @@ class HistoryAdapter(DLiteAdapter):
                 values[layer][:, :, length : length + len(features)] = v
         self.cache[row.slot] = (keys, values, length + len(features))
 
-    def propose(self, rows, pick) -> Draft:
-        context, anchors = self._inputs(rows)
-        tokens, logits = self._block(context, anchors, pick, self._history(rows))
-        return Draft(tokens, [self.draft_tokens] * len(rows), logits)
-
     def end(self, row) -> None:
+        super().end(row)
         self.cache.pop(row.slot, None)
 
     def kv_bytes(self, row) -> int:
@@ -205,8 +365,15 @@ class HistoryAdapter(DLiteAdapter):
 
 
 
+def split_fixed(name: str) -> tuple[str, bool]:
+    """``NAME:fixed`` → (NAME, False): the drafter proposes all K tokens every round, as in the paper;
+    ``NAME`` → (NAME, True): it proposes adaptively (when ``decode.adaptive``)."""
+    return (name.removesuffix(FIXED_SUFFIX), False) if name.endswith(FIXED_SUFFIX) else (name, True)
+
+
 def resolve_drafter_path(name: str, run_dir: Path) -> Path:
     """``dlite``/``history``/``parallel``/``scratch`` → the run directory's export; anything else is a path."""
+    name = name.removesuffix(HYBRID_SUFFIX)
     if name in STAGE_OF:
         path = Path(run_dir) / STAGE_OF[name] / "drafter"
         if not (path / "config.json").is_file():
@@ -214,22 +381,29 @@ def resolve_drafter_path(name: str, run_dir: Path) -> Path:
         return path
     path = Path(name)
     if not path.is_dir():
-        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, {', '.join(STAGE_OF)} or an exported drafter directory")
+        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, {', '.join(STAGE_OF)} or an exported drafter directory "
+                         f"(any of the last two may end in {HYBRID_SUFFIX} or {FIXED_SUFFIX})")
     return path
 
 
 def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager"):
-    """The drafter adapter for ``name`` (see resolve_drafter_path), fitted to ``target_model``,
-    run in ``dtype`` on the target's device; ``path`` graphs captures DLite's rounds as CUDA graphs."""
+    """The drafter adapter for ``name`` (see resolve_drafter_path; ``NAME+ngram`` is the hybrid of that
+    drafter and prompt lookup), fitted to ``target_model``, run in ``dtype`` on the target's device;
+    ``path`` graphs captures DLite's rounds as CUDA graphs."""
+    name, _ = split_fixed(name)
     if name == "none":
         return NoDrafter()
     if name == "ngram":
         return NgramDrafter(ngram_tokens)
-    path = resolve_drafter_path(name, run_dir)
-    drafter = Drafter.load(path, target_model.config).eval()
+    directory = resolve_drafter_path(name, run_dir)
+    drafter = Drafter.load(directory, target_model.config).eval()
     drafter.to(next(target_model.parameters()).device, getattr(torch, dtype))
     embed = target_model.get_input_embeddings()
-    label = name if name in STAGE_OF else path.name
+    base = name.removesuffix(HYBRID_SUFFIX)
+    label = base if base in STAGE_OF else directory.name
     if drafter.spec.history_window != 0:
+        if name.endswith(HYBRID_SUFFIX):
+            raise DliteError(f"{name}: prompt lookup pairs with a history-free drafter, and {directory} keeps a draft history (W ≠ 0)")
         return HistoryAdapter(drafter, embed, label, capacity)
-    return DLiteAdapter(drafter, embed, label, graphs=path == "graphs")
+    model = DLiteAdapter(drafter, embed, label, graphs=path == "graphs")
+    return HybridDrafter(model, NgramDrafter(model.draft_tokens), drafter.spec.vocab_size) if name.endswith(HYBRID_SUFFIX) else model

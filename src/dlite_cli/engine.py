@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .devices import now
+from .adaptive import VerifyCosts
 from .errors import DliteError
 from .model import greedy_pick
 from .runner import TargetRunner, decode_path
@@ -191,9 +192,13 @@ def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tens
 class Engine:
     """Continuous batching over a TargetRunner's slots with one drafter (drafters.py)."""
 
-    def __init__(self, runner, drafter, eos_ids: set[int], detokenize):
-        """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot."""
+    def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False):
+        """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot.
+        ``adaptive``: the drafter proposes only what pays for its verify, at the verify costs measured here
+        (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
+        if adaptive and drafter.draft_tokens:
+            drafter.costs = VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1))
         self.free = list(range(runner.slots))
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -274,8 +279,7 @@ class Engine:
         device = self.runner.device
         t0 = now(device)
         draft = self.drafter.propose(rows, self._picker(rows))
-        # eager: as many tokens as the longest proposal; static: always K + 1 (a fixed shape)
-        width = max(draft.lengths) if self.runner.path == "eager" else self.drafter.draft_tokens
+        width = max(draft.lengths)  # the static path pads the pass to its fixed width
         anchors = torch.tensor([[row.anchor] for row in rows], device=device)
         tokens = torch.cat([anchors, draft.tokens[:, :width].to(device)], dim=1)  # (B, 1 + width)
         t1 = now(device)
@@ -292,6 +296,7 @@ class Engine:
                 draft_logits = draft.logits[b, :L] if draft.logits is not None else None
                 n, next_token = accept_sampled(logits[index[b], : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
             outcomes.append((n, next_token))
+            self.drafter.observe(row, n, next_token if row.params.greedy else None)
             self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
             for stats in (row.stats, self.stats):
                 stats.rounds += 1
@@ -374,16 +379,17 @@ class Engine:
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):
     """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
     ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length."""
-    from .drafters import load_proposer
+    from .drafters import load_proposer, split_fixed
     from .targets import load_target
 
     model, tokenizer, _ = load_target(config.target, log)
     capacity = capacity or model.config.max_position_embeddings
     decode = config.decode
-    path = decode_path(decode.path, model.device)
+    path = decode_path(decode.path, model.device, model.dtype)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path)
-    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path)
-    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer)), tokenizer
+    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path, proposer.draft_tokens + 1)
+    adaptive = decode.adaptive and split_fixed(drafter)[1]
+    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer
 
 
 def stop_tokens_and_text(model, tokenizer) -> tuple[set[int], object]:

@@ -43,6 +43,7 @@ class Sequence:
     features: torch.Tensor  # (T, S, H)
     top_probs: torch.Tensor  # (T, k)
     top_ids: torch.Tensor  # (T, k) int32
+    labels_from_target: bool = False  # the response is the source's original text: labels are the target's argmax
 
 
 class LayerCapture:
@@ -72,28 +73,31 @@ class LayerCapture:
 
 
 @torch.no_grad()
-def target_pass(model, capture: LayerCapture, sequences: list[tuple[list[int], int]], top_k: int) -> list[Sequence]:
-    """Run the target over ``(input_ids, prompt_len)`` sequences (one right-padded batch)."""
-    width = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
+    """Run the target over regen records (``input_ids``, ``prompt_len``, ``labels``; one right-padded batch)."""
+    width = max(len(r["input_ids"]) for r in records)
+    input_ids = torch.zeros(len(records), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
-    for row, (ids, _) in enumerate(sequences):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention_mask[row, : len(ids)] = 1
+    for row, record in enumerate(records):
+        input_ids[row, : len(record["input_ids"])] = torch.tensor(record["input_ids"])
+        attention_mask[row, : len(record["input_ids"])] = 1
     device = next(model.parameters()).device
     logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
     features = capture.stacked()
     out = []
-    for row, (ids, prompt_len) in enumerate(sequences):
-        length = len(ids)
+    for row, record in enumerate(records):
+        length = len(record["input_ids"])
         probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
-        out.append(Sequence(input_ids[row, :length], prompt_len, features[row, :length].float().cpu(), probs.cpu(), top.int().cpu()))
+        out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].float().cpu(), probs.cpu(),
+                            top.int().cpu(), record.get("labels") == "target"))
     return out
 
 
 def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
-    """(train, eval): the ``eval_samples`` records with the smallest id hash are held out for simulated τ."""
-    ranked = sorted(records, key=lambda r: hashlib.sha1(f"eval:{r['id']}".encode()).hexdigest())
+    """(train, eval): the ``eval_samples`` regenerated records with the smallest id hash are held out for
+    simulated τ (measured on what the target itself writes, never on kept original responses)."""
+    regenerated = [r for r in records if r.get("labels") != "target"]
+    ranked = sorted(regenerated, key=lambda r: hashlib.sha1(f"eval:{r['id']}".encode()).hexdigest())
     held = {r["id"] for r in ranked[:eval_samples]}
     return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
 
@@ -122,8 +126,7 @@ class FeatureCache:
                     computed = {}
                     for start in range(0, len(shard), train.target_batch):
                         part = by_length[start : start + train.target_batch]
-                        inputs = [(shard[i]["input_ids"], shard[i]["prompt_len"]) for i in part]
-                        computed.update(zip(part, target_pass(target_model, capture, inputs, train.target_top_k)))
+                        computed.update(zip(part, target_pass(target_model, capture, [shard[i] for i in part], train.target_top_k)))
                     sequences = [computed[i] for i in range(len(shard))]
                     self._write_shard(index, sequences)
                     done += len(shard)
@@ -156,6 +159,7 @@ class FeatureCache:
             "top_ids": torch.cat([s.top_ids for s in sequences]),
             "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
             "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
+            "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
         }
         with atomic_path(self._shard_path(index)) as tmp:
             save_file(tensors, tmp)
@@ -170,10 +174,12 @@ class FeatureCache:
         for path in sorted(self.stage.dir.glob("*.safetensors")):
             shard = load_file(path)
             starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
-            for start, length, prompt_len in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist()):
+            from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
+            for start, length, prompt_len, flag in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(), from_target):
                 end = start + length
                 sequences.append(
-                    Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end], shard["top_ids"][start:end])
+                    Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
+                             shard["top_ids"][start:end], flag)
                 )
         return sequences
 

@@ -26,9 +26,10 @@ def _weighted_mean(per_position: torch.Tensor, valid: torch.Tensor, weights: tor
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits (B, K, V), labels (B, K) → weighted CE."""
+    """logits (B, K, V), labels (B, K) → weighted CE; a label < 0 (none, or outside the drafter's
+    vocabulary) adds nothing."""
     per_position = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten().clamp(min=0), reduction="none")
-    return _weighted_mean(per_position.view(labels.shape), valid, weights)
+    return _weighted_mean(per_position.view(labels.shape), valid & (labels >= 0), weights)
 
 
 def forward_kl(teacher_logits: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -44,10 +45,11 @@ def total_variation(
 ) -> torch.Tensor:
     """‖p^T − q‖₁ with p^T given by its top-k: target_probs, target_ids (B, K, k); logits (B, K, V).
 
-    Outside the top-k p^T is taken as 0, so the term there is the mass q puts outside it.
+    Outside the top-k p^T is taken as 0, so the term there is the mass q puts outside it.  An id < 0
+    is a token the drafter cannot propose (outside its vocabulary): q is 0 there.
     """
     q = F.softmax(logits.float(), dim=-1)
-    q_top = q.gather(-1, target_ids.long())
+    q_top = q.gather(-1, target_ids.long().clamp(min=0)) * (target_ids >= 0)
     inside = (target_probs.float() - q_top).abs().sum(-1)
     outside = (1 - q_top.sum(-1)).clamp(min=0)
     return _weighted_mean(inside + outside, valid, weights)

@@ -16,8 +16,11 @@ One draft round (DESIGN.md §1), for a batch of B anchors, K draft tokens, S tar
       → final RMSNorm → h_1..h_K (B, K, H)
     head      low-rank gated RNN over the K positions (R = head_rank):
                 s_i = g ⊙ s_{i−1} + (1 − g) ⊙ tanh(c),  [g, c] = W_g [s_{i−1}; E_R(x_{i−1})]
-                u_i = W_u [s_i; h_i],  logits_i = W_V u_i            → (B, K, V)
-              without the sequential head ("pure parallel" ablation) s stays 0.
+                u_i = W_u [s_i; h_i],  logits_i = W_V u_i            → (B, K, V')
+              without the sequential head ("pure parallel" ablation) s stays 0.  V' is the draft
+              vocabulary: the target's V, or (``draft_vocab_size`` N) the N most frequent tokens of
+              the training responses (``draft_ids`` maps them to target ids; E_R keeps all V, since an
+              anchor may be any token).  A token outside it is never proposed.
 
 No parameter depends on the position in the conversation, so the cost of a W = 0 round is the same
 at 500 or 50 000 tokens of context.
@@ -26,7 +29,7 @@ at 500 or 50 000 tokens of context.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -67,6 +70,7 @@ class DrafterSpec:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
+    draft_vocab_size: int = 0  # N: the head scores only N target tokens (0 = all V)
 
     @classmethod
     def for_target(cls, target_config, drafter, history_window: int) -> "DrafterSpec":
@@ -95,6 +99,7 @@ class DrafterSpec:
             intermediate_size=target_config.intermediate_size,
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            draft_vocab_size=drafter.draft_vocab if drafter.draft_vocab < target_config.vocab_size else 0,
         )
 
     def check_fits(self, target_config, where: str) -> None:
@@ -218,16 +223,19 @@ class History:
 
 
 class Head(nn.Module):
-    """Low-rank output head: the gated RNN over draft positions, or (recurrent=False) the parallel ablation."""
+    """Low-rank output head: the gated RNN over draft positions, or (recurrent=False) the parallel ablation.
+    Tokens in and out are target ids; logits are over the draft vocabulary ``draft_ids`` (V',)."""
 
-    def __init__(self, hidden_size: int, rank: int, vocab_size: int, recurrent: bool):
+    def __init__(self, hidden_size: int, rank: int, vocab_size: int, draft_vocab_size: int, recurrent: bool):
         super().__init__()
         self.rank, self.recurrent = rank, recurrent
+        # draft index → target id; saved with the weights only when it is not the identity
+        self.register_buffer("draft_ids", torch.arange(draft_vocab_size or vocab_size), persistent=draft_vocab_size > 0)
         if recurrent:
             self.token_embedding = nn.Embedding(vocab_size, rank)  # E_R
             self.gate = nn.Linear(2 * rank, 2 * rank)  # [s; E_R(x)] → [g, c]
         self.latent = nn.Linear(rank + hidden_size, rank)  # [s; h] → u
-        self.vocab = nn.Linear(rank, vocab_size, bias=False)  # W_V, the one vocabulary projection
+        self.vocab = nn.Linear(rank, len(self.draft_ids), bias=False)  # W_V, the one vocabulary projection
 
     def step(self, state, h, previous):
         """One position: state (B, R), h (B, H), previous tokens (B,) → (new state, logits (B, V))."""
@@ -250,16 +258,19 @@ class Head(nn.Module):
 
     @torch.no_grad()
     def free_running(self, h, anchor, pick=greedy_pick):
-        """Draft left to right: h (B, K, H), anchor (B,); ``pick(logits (B, V)) → tokens (B,)`` chooses
-        each token (argmax, or a sample) and feeds it to the next step → tokens (B, K), logits (B, K, V)."""
+        """Draft left to right: h (B, K, H), anchor (B,); ``pick(logits (B, V')) → draft indices (B,)``
+        chooses each token (argmax, or a sample) and feeds it to the next step → target token ids (B, K),
+        logits (B, K, V') and the probability the head gave each chosen token (B, K)."""
         state, previous = h.new_zeros(h.shape[0], self.rank), anchor
-        tokens, logits = [], []
+        tokens, logits, confidence = [], [], []
         for i in range(h.shape[1]):
             state, step_logits = self.step(state, h[:, i], previous)
-            previous = pick(step_logits)
+            chosen = pick(step_logits)
+            previous = self.draft_ids[chosen]
             tokens.append(previous)
             logits.append(step_logits)
-        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+            confidence.append(torch.softmax(step_logits.float(), dim=-1).gather(1, chosen[:, None])[:, 0])
+        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1), torch.stack(confidence, dim=1)
 
 
 class Drafter(nn.Module):
@@ -277,8 +288,13 @@ class Drafter(nn.Module):
         self.placeholders = nn.Parameter(torch.randn(K, H) * 0.02)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
-        self.head = Head(H, spec.head_rank, spec.vocab_size, recurrent=spec.sequential_head)
+        self.head = Head(H, spec.head_rank, spec.vocab_size, spec.draft_vocab_size, recurrent=spec.sequential_head)
         self.apply(self._init)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(V',) the target id of each draft-vocabulary entry."""
+        return self.head.draft_ids
 
     @staticmethod
     def _init(module):
@@ -288,9 +304,30 @@ class Drafter(nn.Module):
                 nn.init.zeros_(module.bias)
 
     @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Score only these N target tokens (N = draft_vocab_size)."""
+        if len(token_ids) != len(self.draft_ids):
+            raise DliteError(f"the draft vocabulary has {len(token_ids)} tokens, the drafter expects {len(self.draft_ids)}")
+        self.draft_ids.copy_(token_ids)
+
+    def to_draft(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids (any shape) → draft indices, −1 for tokens outside the draft vocabulary."""
+        table = torch.full((self.spec.vocab_size,), -1, dtype=torch.long, device=self.draft_ids.device)
+        table[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.draft_ids.device)
+        return table[token_ids.long()]
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits (..., V') over the draft vocabulary → (..., V) over the target's, −inf outside it."""
+        if self.spec.draft_vocab_size == 0:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_ids, logits)
+
+    @torch.no_grad()
     def init_head_from(self, lm_head: torch.Tensor) -> None:
-        """Start the head as a rank-R factorisation of the target's LM head (V, H): logits ≈ lm_head · h."""
-        u, singular, vh = torch.linalg.svd(lm_head.float(), full_matrices=False)
+        """Start the head as a rank-R factorisation of the target's LM head (V, H) on the draft vocabulary:
+        logits ≈ lm_head[draft_ids] · h."""
+        u, singular, vh = torch.linalg.svd(lm_head[self.draft_ids.to(lm_head.device)].float(), full_matrices=False)
         R = self.spec.head_rank
         self.head.vocab.weight.copy_(u[:, :R] * singular[:R])
         self.head.latent.weight.zero_()
@@ -344,7 +381,8 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, context, anchor_embeds, anchor, history: History | None = None, pick=greedy_pick):
-        """A draft block: → tokens (B, K), logits (B, K, V); ``pick`` chooses each token (default argmax)."""
+        """A draft block: → tokens (B, K), logits (B, K, V'), confidence (B, K); ``pick`` chooses each token
+        (default argmax) from logits over the draft vocabulary."""
         return self.head.free_running(self.hidden(context, anchor_embeds, history), anchor, pick)
 
     # ------------------------------------------------------------ checkpoints
@@ -366,10 +404,10 @@ class Drafter(nn.Module):
             raise DliteError(f"{directory} is not a drafter checkpoint: it has no config.json")
         raw = json.loads(config_path.read_text())
         names = {f.name for f in fields(DrafterSpec)}
-        missing = names - set(raw)
+        missing = {f.name for f in fields(DrafterSpec) if f.default is MISSING} - set(raw)
         if missing:
             raise DliteError(f"{config_path} is not a dlite drafter config: it lacks {', '.join(sorted(missing))}")
-        spec = DrafterSpec(**{k: raw[k] for k in names})
+        spec = DrafterSpec(**{k: raw[k] for k in names if k in raw})
         if target_config is not None:
             spec.check_fits(target_config, str(directory))
         model = cls(spec)

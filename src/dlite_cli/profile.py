@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from .config import PACKAGE_DIR, Config
-from .devices import hardware, now, resolve_device
+from .devices import hardware, median_ms, resolve_device
 from .drafters import DLiteAdapter, HistoryAdapter
 from .engine import Engine, Request, SamplingParams
 from .errors import DliteError
@@ -34,6 +33,7 @@ from .model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from .progress import progress_bar
 from .report import paper_results
 from .runner import TargetRunner, decode_path
+from .targets import fastest_dtype
 from .train import stage_loss, stage_plan, valid_anchors
 
 COPY_BYTES = 1 << 28  # the buffer the device's copy bandwidth is measured with
@@ -97,18 +97,6 @@ def random_target(arch, dtype: torch.dtype, device: torch.device):
         return AutoModelForCausalLM.from_config(arch, dtype=dtype).eval().requires_grad_(False)
 
 
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    """The median wall time of ``fn()`` in ms, after two warm-up calls (CUDA graphs are captured there)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = now(device)
-        fn()
-        times.append(1000 * (now(device) - start))
-    return statistics.median(times)
-
-
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second the device moves in a large copy (read + write): the memory-bound floor."""
     source = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
@@ -144,10 +132,14 @@ class Profiler:
     def __init__(self, config: Config, plan: ProfilePlan, log=print):
         self.config, self.plan, self.log = config, plan, log
         self.device = resolve_device(config.target.device)
-        self.path = decode_path(config.decode.path, self.device)
         self.arch = architecture(config)
-        self.dtype = getattr(torch, config.target.dtype)
+        self.dtype_name = config.target.dtype
+        if self.dtype_name == "auto":
+            self.dtype_name, steps = fastest_dtype(lambda name: random_target(self.arch, getattr(torch, name), self.device), self.device)
+            log(f"target.dtype auto: {self.dtype_name}" + (f" (decode step {steps})" if steps else ""))
+        self.dtype = getattr(torch, self.dtype_name)
         self.draft_dtype = getattr(torch, config.decode.draft_dtype)
+        self.path = decode_path(config.decode.path, self.device, self.dtype)
         self.model = random_target(self.arch, self.dtype, self.device)
         self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
         self.k = config.drafter.draft_tokens
@@ -158,7 +150,7 @@ class Profiler:
     def run(self) -> dict:
         torch.manual_seed(0)
         result = {"target": self.config.name, "hardware": hardware(self.device), "device": str(self.device), "path": self.path,
-                  "dtype": self.config.target.dtype, "draft_dtype": self.config.decode.draft_dtype,
+                  "dtype": self.dtype_name, "draft_dtype": self.config.decode.draft_dtype,
                   "plan": dataclasses.asdict(self.plan), "weight_bytes": weight_bytes(self.model),
                   "kv_bytes_per_token": self.target_kv,
                   "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": []}
@@ -202,9 +194,7 @@ class Profiler:
         for slot in slots:
             runner.commit(slot, [0] * context)  # a context of that length (its keys are zeros: the cost is the same)
         bytes_per_step = result["weight_bytes"] + batch * context * result["kv_bytes_per_token"]
-        for width in self.plan.widths:
-            tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-            ms = median_ms(lambda: runner.verify(slots, tokens), self.plan.repeats, self.device)
+        for width, ms in zip(self.plan.widths, runner.pass_costs(slots, self.plan.widths, self.plan.repeats)):
             result["passes"].append({"batch": batch, "context": context, "tokens": width, "ms": round(ms, 3),
                                      "achieved_gbs": round(bytes_per_step / ms / 1e6, 1),
                                      "floor_ms": round(1000 * bytes_per_step / (result["copy_bandwidth_gbs"] * 1e9), 3)})
@@ -275,7 +265,7 @@ class Profiler:
             del optimizer
         capture = LayerCapture(self.model, self.spec.target_layer_ids)
         try:
-            inputs = [(s.input_ids.tolist(), s.prompt_len) for s in sequences]
+            inputs = [{"input_ids": s.input_ids.tolist(), "prompt_len": s.prompt_len} for s in sequences]
             seconds = median_ms(lambda: target_pass(self.model, capture, inputs, train.target_top_k), self.plan.train_steps, self.device) / 1000
         finally:
             capture.remove()

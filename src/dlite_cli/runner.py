@@ -12,9 +12,10 @@ Rows of different lengths share one batched pass, which is what lets each row ac
 of tokens.  Two ways to run a pass (``decode.path``):
 
     eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
-    static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), keys
-             over the whole allocation under a mask built on the device from the slots' lengths;
-             with ``graphs`` each (bucket, tokens, allocation) pass is a replayed CUDA graph
+    static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), ``width``
+             tokens (a row's own, then padding), keys over the whole allocation under a mask built on
+             the device from the slots' lengths; with ``graphs`` each (bucket, width, allocation)
+             pass is a replayed CUDA graph
 """
 
 from __future__ import annotations
@@ -22,25 +23,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .devices import median_ms
 from .errors import DliteError
 from .graphs import CudaGraphs, bucket_for
 from .model import SUPPORTED_FAMILIES, apply_rope
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
+COST_CONTEXT = 512  # context the verify costs that adaptive drafting weighs are measured at
 PATHS = ("eager", "static", "graphs")
 
 
-def decode_path(setting: str, device: torch.device) -> str:
-    """``decode.path`` → the path to run: auto is graphs on CUDA and eager elsewhere."""
+def decode_path(setting: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``decode.path`` → the path to run.  auto: graphs on CUDA; on a CPU eager in float32 and static in a
+    lower precision, whose matmuls round differently for different pass shapes: only passes of one
+    width give every method the same greedy text (and there a pass costs about the same at any width)."""
     if setting == "auto":
-        return "graphs" if device.type == "cuda" else "eager"
+        return "graphs" if device.type == "cuda" else "eager" if dtype == torch.float32 else "static"
     return setting
 
 
 class TargetRunner:
     """A target model (``AutoModelForCausalLM``, eval mode) prepared for batched, rollback-able decoding."""
 
-    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager"):
+    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager",
+                 width: int = 1):
+        """``width``: tokens in every pass of the static path (a row's own, then padding) — K + 1, so that
+        plain decoding and every drafter compute each position with the same shapes."""
         config = model.config
         if config.model_type not in SUPPORTED_FAMILIES:
             raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
@@ -51,7 +59,7 @@ class TargetRunner:
         parameter = next(model.parameters())
         if path == "graphs" and parameter.device.type != "cuda":
             raise DliteError(f"decode.path graphs needs the target on a CUDA device, and it is on {parameter.device}; use eager or static")
-        self.model, self.capture_layers, self.path = model, sorted(capture_layers), path
+        self.model, self.capture_layers, self.path, self.width = model, sorted(capture_layers), path, width
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
@@ -62,6 +70,7 @@ class TargetRunner:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
         self.graphs = CudaGraphs(enabled=path == "graphs")
+        self._verify_costs: list[float] = []
 
     @property
     def device(self) -> torch.device:
@@ -116,6 +125,24 @@ class TargetRunner:
             return logits, features, torch.arange(len(slots), device=self.device)
         return self._forward_static(slots, tokens)
 
+    def verify_costs(self, widths: int, context: int = COST_CONTEXT, repeats: int = 5) -> list[float]:
+        """ms of a pass of 1..``widths`` tokens at batch 1 after ``context`` tokens, measured once per runner
+        (on slot 0, emptied afterwards)."""
+        if len(self._verify_costs) < widths:
+            self.commit(0, [0] * min(context, self.capacity - widths))
+            self._verify_costs = self.pass_costs([0], list(range(1, widths + 1)), repeats)
+            self.truncate(0, 0)
+        return self._verify_costs[:widths]
+
+    def pass_costs(self, slots: list[int], widths: list[int], repeats: int) -> list[float]:
+        """ms of a verify of each width for ``slots`` after the tokens they hold (median of ``repeats``):
+        what a round costs here against the tokens it proposes."""
+        costs = []
+        for width in widths:
+            tokens = torch.zeros(len(slots), width, dtype=torch.long, device=self.device)
+            costs.append(median_ms(lambda: self.verify(slots, tokens), repeats, self.device))
+        return costs
+
     @torch.no_grad()
     def forward(self, slots: list[int], tokens: torch.Tensor, logits_at_last: bool = False, features_at_last: bool = False):
         """The eager pass: ``tokens`` (B, Q) after ``slots``' held tokens → logits (B, Q or 1, V) and
@@ -135,14 +162,15 @@ class TargetRunner:
         """The fixed-shape pass over the first ``bucket`` slots; rows not in ``slots`` are padding (their
         keys/values land past their held tokens, where nothing reads them)."""
         bucket = bucket_for(max(slots) + 1, self.slots)
-        Q = tokens.shape[1]
+        Q = max(tokens.shape[1], self.width)
         span = max(self.length(s) for s in slots) + Q
         self._check(span)
         self._reserve(span)
         for slot in set(range(bucket)) - set(slots):  # a padding row must not write past the allocation
             self.truncate(slot, min(self.length(slot), self.keys[0].shape[2] - Q))
         index = torch.tensor(slots, device=self.device)
-        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device).index_copy_(0, index, tokens.to(self.device))
+        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device)
+        padded[:, : tokens.shape[1]].index_copy_(0, index, tokens.to(self.device))
         lengths = torch.tensor([self.length(s) for s in range(bucket)], device=self.device)
         logits, features = self.graphs.run((bucket, Q, self.keys[0].shape[2]), self._static_pass, padded, lengths)
         return logits, features, index

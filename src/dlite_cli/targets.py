@@ -79,15 +79,54 @@ def load_target(config: TargetConfig, log=print):
 
         torch.cuda.set_device(device)  # streams and CUDA graphs are made on the current device
     prepared = prepare_target(config, log)
-    return load_model(prepared, config.dtype, device), load_tokenizer(prepared), prepared
+    return load_model(prepared, config.dtype, device, log), load_tokenizer(prepared), prepared
 
 
-def load_model(prepared: PreparedTarget, dtype: str, device):
-    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16), on ``device``."""
+def load_model(prepared: PreparedTarget, dtype: str, device, log=print):
+    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16 or auto: see
+    :func:`fastest_dtype`), on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, dtype)).to(device).eval()
+    def build(name: str):
+        return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, name)).to(device).eval()
+
+    if dtype == "auto":
+        dtype = remembered_dtype(prepared, device, build, log)
+    return build(dtype)
+
+
+def remembered_dtype(prepared: PreparedTarget, device, build, log) -> str:
+    """:func:`fastest_dtype` for this target on this machine, measured once and kept in the dlite cache."""
+    from .devices import hardware
+
+    machine = hardware(device)
+    record = cache_dir() / "dtype" / f"{prepared.fingerprint}-{hashlib.sha256(machine.encode()).hexdigest()[:12]}.json"
+    if record.is_file():
+        return json.loads(record.read_text())["dtype"]
+    choice, steps = fastest_dtype(build, device)
+    atomic_write_json(record, {"dtype": choice, "step_ms": steps, "hardware": machine})
+    if len(steps) > 1:
+        log(f"target.dtype auto: a decode step takes {steps['float32']:.1f} ms in float32 and {steps['bfloat16']:.1f} ms "
+            f"in bfloat16 on {machine}; using {choice} (remembered in {record})")
+    return choice
+
+
+def fastest_dtype(build, device) -> tuple[str, dict[str, float]]:
+    """What ``target.dtype: auto`` means: bfloat16 on a GPU; on a CPU, float32 or bfloat16, whichever
+    decodes a token faster here (with AMX or AVX-512 BF16 it can be either), so that autoregressive
+    decoding — every speedup's baseline — is the fastest this machine offers.  ``build(dtype)`` makes
+    the model → (dtype, {dtype: ms per decode step at 256 tokens of context})."""
+    if device.type == "cuda":
+        return "bfloat16", {}
+    from .runner import TargetRunner
+
+    steps = {}
+    for name in ("float32", "bfloat16"):
+        runner = TargetRunner(build(name), [], slots=1, capacity=512)
+        runner.commit(0, [0] * 256)
+        steps[name] = runner.pass_costs([0], [1], repeats=9)[0]
+    return min(steps, key=steps.get), steps
 
 
 def load_tokenizer(prepared: PreparedTarget):

@@ -110,8 +110,17 @@ def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int)
     offsets = torch.arange(k)
     label_positions = anchors[:, None] + 1 + offsets  # (B, K)
     valid = label_positions < length
-    labels = torch.where(valid, sequence.input_ids[label_positions.clamp(max=length - 1)], -100)
     p_positions = (anchors[:, None] + offsets).clamp(max=length - 1)
+    if sequence.labels_from_target:
+        # The text is not the target's: label i is the target's argmax after x_≤a+i−1, which is the
+        # target's own continuation only while the text x_a+1..x_a+i−1 followed its argmax too.
+        greedy = sequence.top_ids[:, 0].long()  # (T,) argmax after each position
+        follows = torch.cat([sequence.input_ids[1:] == greedy[:-1], torch.zeros(1, dtype=torch.bool)])  # x_t+1 = argmax after t
+        chain = torch.cat([torch.ones(len(anchors), 1, dtype=torch.bool), follows[p_positions[:, :-1]]], dim=1).long().cumprod(dim=1).bool()
+        valid &= chain
+        labels = torch.where(valid, greedy[p_positions], -100)
+    else:
+        labels = torch.where(valid, sequence.input_ids[label_positions.clamp(max=length - 1)], -100)
     history = {}
     if window != 0:
         span = int(anchors.max()) - 1  # positions 0 .. a−2 lie before every pivot
@@ -138,6 +147,16 @@ def concat_batches(batches: list[AnchorBatch]) -> AnchorBatch:
     return AnchorBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields}, history={})
 
 
+def frequent_tokens(items: list, count: int, vocab_size: int) -> torch.Tensor:
+    """The ``count`` most frequent token ids of the responses of ``items`` (Sequences or regen records),
+    most frequent first: the draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for item in items:
+        ids, start = (item.input_ids, item.prompt_len) if isinstance(item, Sequence) else (torch.tensor(item["input_ids"]), item["prompt_len"])
+        counts += torch.bincount(ids[start:].long(), minlength=vocab_size)
+    return counts.sort(descending=True, stable=True).indices[:count]
+
+
 # ---------------------------------------------------------------- the loss of a stage
 
 
@@ -155,17 +174,21 @@ def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, seq
 
 
 def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, batch: AnchorBatch, weights: torch.Tensor) -> torch.Tensor:
+    """The stage's loss on one batch; labels and p^T's ids are taken into the drafter's vocabulary."""
     with torch.no_grad():
         anchor_embeds = embed(batch.anchor).float()
     own_history = batch.history if plan.history_window != 0 else {}
     logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
+    vocabulary = getattr(drafter, "module", drafter)  # unwrapped from DDP
+    labels = torch.where(batch.labels >= 0, vocabulary.to_draft(batch.labels.clamp(min=0)), -1)
     if plan.loss == "ce":
-        return cross_entropy(logits, batch.labels, batch.valid, weights)
+        return cross_entropy(logits, labels, batch.valid, weights)
     if plan.loss == "kl":
         with torch.no_grad():
             teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
         return forward_kl(teacher_logits, logits, batch.valid, weights)
-    return stable_loss(logits, batch.labels, batch.top_probs, batch.top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
+    top_ids = vocabulary.to_draft(batch.top_ids)
+    return stable_loss(logits, labels, batch.top_probs, top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -204,7 +227,7 @@ class Trainer:
         regen = self._upstream("regen")
         init = self._upstream(self.plan.init_from) if self.plan.init_from else None
         target = prepare_target(self.config.target, self.log)
-        self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device).requires_grad_(False)
+        self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device, self.log).requires_grad_(False)
         drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.config.drafter.sequential_head and self.plan.sequential_head)
         self.spec = DrafterSpec.for_target(self.target_model.config, drafter_config, self.plan.history_window)
         inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
@@ -250,16 +273,18 @@ class Trainer:
             return items
         capture = LayerCapture(self.target_model, self.spec.target_layer_ids)
         try:
-            return target_pass(self.target_model, capture, [(r["input_ids"], r["prompt_len"]) for r in items], self.train.target_top_k)
+            return target_pass(self.target_model, capture, items, self.train.target_top_k)
         finally:
             capture.remove()
 
     # ----- model
 
-    def _build(self) -> tuple[Drafter, Drafter | None]:
+    def _build(self, train_items: list) -> tuple[Drafter, Drafter | None]:
         torch.manual_seed(self.train.seed)
         drafter = Drafter(self.spec)
         teacher = None
+        if self.plan.init_from is None and self.spec.draft_vocab_size:
+            drafter.set_draft_vocab(frequent_tokens(train_items, self.spec.draft_vocab_size, self.spec.vocab_size))
         if self.plan.init_from is None and self.config.drafter.head_init == "target-svd":
             drafter.init_head_from(self.target_model.get_output_embeddings().weight)
         if self.plan.init_from:
@@ -312,7 +337,7 @@ class Trainer:
                 # feeding the target's tokens is exact: the drafter's own choices only matter while they agree
                 previous = torch.cat([batch.anchor[:, None], greedy[:, :-1]], dim=1)
                 logits = drafter(batch.context, embed(batch.anchor).float(), previous, **batch.history)
-                accepted.append(((logits.argmax(-1) == greedy) & batch.valid).long().cumprod(dim=1).cpu())
+                accepted.append(((drafter.draft_ids[logits.argmax(-1)] == greedy) & batch.valid).long().cumprod(dim=1).cpu())
             run = torch.cat(accepted)
             runs.append(run)
             length = run.sum(1).tolist()
@@ -333,7 +358,7 @@ class Trainer:
     # ----- the loop
 
     def _fit(self, train_items: list, eval_items: list) -> dict:
-        drafter, teacher = self._build()
+        drafter, teacher = self._build(train_items)
         if teacher is not None:
             teacher.to(self.accelerator.device)
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)

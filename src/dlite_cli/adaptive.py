@@ -1,0 +1,109 @@
+"""How many tokens to propose: a drafter keeps proposing only while the next token pays for its verify.
+
+A round that proposes L tokens costs T_draft + T(L+1), where T(q) is the target's pass over q tokens
+measured on this machine (``TargetRunner.pass_costs``), and commits on average
+
+    1 + Σ_{i ≤ L} Π_{j ≤ i} a_j        a_j = P(draft j is accepted | drafts 1..j−1 were)
+
+tokens.  Per row and round the drafter estimates each a_j (:class:`Calibration`: what the target
+accepted of earlier proposals that looked alike — e.g. the same draft probability) and proposes the
+L that maximises tokens per millisecond (:meth:`VerifyCosts.best_length`).  On a CPU, where a verify
+of 8 tokens may cost 1.5 steps, that cuts the proposals a weak drafter would waste; where a wider
+pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row whose drafts have lately
+gained less than a draft round costs is not drafted at all that round (:class:`RowGain`).
+Any such rule leaves the output exact: it depends only on the drafter's side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind a calibration's prior
+GAIN_DECAY = 0.7  # how fast a row's recent gain forgets (per drafted round)
+GAIN_HOPE = 0.05  # how much a skipped row's expected gain recovers per round, so that it is probed again
+
+
+@dataclass
+class VerifyCosts:
+    """T(q), ms of a target pass over q = 1..K+1 tokens (index q − 1), measured at start-up."""
+
+    ms: list[float]
+
+    def best_length(self, accept: list[float], draft_ms: float) -> int:
+        """The L in 0..len(accept) that maximises (1 + Σ_{i≤L} Π_{j≤i} a_j) / (draft_ms + T(L+1))."""
+        best, best_rate, expected, reach = 0, 1 / (draft_ms + self.ms[0]), 1.0, 1.0
+        for i, a in enumerate(accept[: len(self.ms) - 1], start=1):
+            reach *= a
+            expected += reach
+            rate = expected / (draft_ms + self.ms[i])
+            if rate > best_rate:
+                best, best_rate = i, rate
+        return best
+
+    def worth_drafting(self, expected_gain: float, draft_ms: float) -> bool:
+        """A draft round pays if the tokens it is expected to add save more target steps than it costs."""
+        return expected_gain * self.ms[0] >= draft_ms
+
+
+@dataclass
+class Calibration:
+    """P(a proposal is accepted | the ones before it were), per kind of proposal (``key``), learnt online
+    from what the target accepted, starting from ``prior(key)`` worth PRIOR_WEIGHT observations."""
+
+    prior: object  # key → probability
+    counts: dict = field(default_factory=dict)  # key → [accepted, reached]
+
+    def estimate(self, key) -> float:
+        accepted, reached = self.counts.get(key, (0.0, 0.0))
+        return (accepted + PRIOR_WEIGHT * self.prior(key)) / (reached + PRIOR_WEIGHT)
+
+    def observe(self, keys: list, accepted: int) -> None:
+        """``keys`` of a round's proposals in order, of which the first ``accepted`` were accepted: those
+        and the first rejected one were reached; the rest tell nothing."""
+        for i, key in enumerate(keys[: accepted + 1]):
+            counts = self.counts.setdefault(key, [0.0, 0.0])
+            counts[0] += i < accepted
+            counts[1] += 1
+
+    def observe_round(self, candidate: "Candidate", accepted: int, next_token: int | None) -> None:
+        """Learn from a round in which ``candidate.proposed`` of the candidate tokens were proposed and
+        ``accepted`` accepted.  When all were, the target's next token (greedy rows: what it would have
+        accepted) also tells the fate of the first candidate that was cut, so cut candidates are learnt
+        about too and a pessimistic start does not stay unchallenged."""
+        reached = candidate.proposed
+        if accepted == reached < len(candidate.tokens) and next_token is not None:
+            accepted += candidate.tokens[reached] == next_token
+            reached += 1
+        self.observe(candidate.keys[:reached], accepted)
+
+
+@dataclass
+class Candidate:
+    """What a drafter had for a row this round: every candidate token and its calibration key, of which
+    the first ``proposed`` were proposed."""
+
+    tokens: list[int]
+    keys: list
+    proposed: int
+
+
+@dataclass
+class RowGain:
+    """Per row: accepted drafts per drafted round, recently (starts hopeful, so every row is drafted first)."""
+
+    gains: dict = field(default_factory=dict)  # slot → expected accepted drafts per round
+    drafting: set = field(default_factory=set)  # slots drafted this round, until their outcome is known
+
+    def expected(self, slot: int) -> float:
+        return self.gains.setdefault(slot, 1.0)
+
+    def drafted(self, slot: int, accepted: int) -> None:
+        self.drafting.discard(slot)
+        self.gains[slot] = GAIN_DECAY * self.expected(slot) + (1 - GAIN_DECAY) * accepted
+
+    def skipped(self, slot: int) -> None:
+        self.gains[slot] = self.expected(slot) + GAIN_HOPE
+
+    def forget(self, slot: int) -> None:
+        self.gains.pop(slot, None)
+        self.drafting.discard(slot)
