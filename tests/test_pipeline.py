@@ -49,7 +49,7 @@ def test_micro_pipeline_runs_every_stage_then_has_nothing_left_to_do(run_cli, tm
     for table in TABLES:
         assert (run / "bench" / f"{table}.md").stat().st_size > 0
     methods = {json.loads(line)["method"] for line in (run / "bench" / "results.jsonl").read_text().splitlines()}
-    assert methods == {"ar", "dlite", "history", "parallel", "ngram"}  # every trained drafter was benched
+    assert methods == {"ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"}  # every trained drafter was benched
     assert "wall time per stage" in first.stderr and "total" in first.stderr
 
     again = run_cli("run", "micro")

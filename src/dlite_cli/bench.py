@@ -32,11 +32,15 @@ from .errors import DliteError
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import write_report
-from .runner import TargetRunner, decode_path
+from .runner import TargetRunner, decode_path, pass_width
 from .targets import load_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 
-METHOD_NAMES = {"ar": "none"}  # bench's name for plain autoregressive decoding
+METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain autoregressive decoding
+# Plain decoding at its fastest here (one token a pass, eager on a CPU, CUDA graphs on a GPU), measured beside
+# "ar" when the methods share passes K + 1 wide (a lower precision: see runner.pass_width): speedups are
+# taken against the faster of the two, greedy texts compared with "ar", which computes what the others do.
+FASTEST_AR = "ar:fastest"
 THROUGHPUT_WORKLOADS = ("humaneval", "sharegpt", "mt_bench")  # the first available one feeds the concurrency sweep
 
 
@@ -81,6 +85,7 @@ class Bench:
         """Measure what is missing; False if the bench was already done with this plan."""
         model, self.tokenizer, target = load_target(self.config.target, self.log)
         self.path = decode_path(self.config.decode.path, model.device, model.dtype)
+        width = pass_width(self.config.drafter.draft_tokens, model.dtype)
         recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode), "drafter": dataclasses.asdict(self.config.drafter),
                     "decode_path": self.path}
         if not self.stage.begin(config_hash(recorded, target.fingerprint), recorded, {"target": target.fingerprint}, force):
@@ -92,7 +97,11 @@ class Bench:
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
         proposers = {}
-        for method in self.plan.methods:
+        self.fastest_path = fastest_path = "graphs" if model.device.type == "cuda" else "eager"
+        methods = self.plan.methods
+        if "ar" in methods and (width > 1 or self.path != fastest_path):
+            methods = methods + [FASTEST_AR]
+        for method in methods:
             name = METHOD_NAMES.get(method, method)
             try:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
@@ -105,11 +114,14 @@ class Bench:
         shared = next((tuple(p.target_layers) for p in proposers.values() if p.target_layers), ())
         runners = {}
         for method, proposer in proposers.items():
+            if method == FASTEST_AR:
+                runner = TargetRunner(model, [], 1, capacity, self.config.decode.prefill_chunk, fastest_path)
+                self.engines[method] = Engine(runner, proposer, eos, detokenize)
+                continue
             layers = tuple(proposer.target_layers) or shared
             if layers not in runners:
-                # one width for every method: on the static path each position is computed with the same shapes
-                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path,
-                                               self.config.drafter.draft_tokens + 1)
+                # one pass width for every method (padded plain decoding too, in a lower precision): the same text
+                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path, width)
             adaptive = self.config.decode.adaptive and split_fixed(method)[1]
             self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
         episodes = {}
@@ -198,12 +210,13 @@ class Bench:
         for level in self.plan.concurrency:
             batch = [prompts[i % len(prompts)] for i in range(2 * level)]  # every slot serves two requests
             for method, engine in self.engines.items():
-                if (level, method) in done:
+                if (level, method) in done or method == FASTEST_AR:
                     continue
                 runner = engine.runner
-                # throughput: each method at its own width (plain decoding at its fastest, one token a pass)
-                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, runner.path,
-                                           engine.drafter.draft_tokens + 1)
+                # throughput: each method at its own width; plain decoding at its fastest (one token a pass)
+                path = runner.path if engine.drafter.draft_tokens else self.fastest_path
+                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
+                                           pass_width(engine.drafter.draft_tokens, runner.model.dtype))
                 wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
                 start = time.perf_counter()
                 requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])

@@ -147,12 +147,18 @@ class TrainConfig:
     teacher_epochs: int = positive(8)
     warmup_epochs: int = positive(2)
     stable_epochs: int = positive(6)
+    # warmup: stage 2 starts from stage 1, after the teacher (the paper's schedule); scratch: from the
+    # drafter's own initialisation, stage 2 alone (what measures best where compute is short)
+    stable_init: Literal["warmup", "scratch"] = "warmup"
     gamma: float = positive(4.0)
     lambda_ce: float = non_negative(0.1)
     lambda_tv: float = non_negative(1.0)
     max_length: int = positive(4096)
     anchors_per_sample: int = positive(512)
     features: Literal["online", "cached"] = "online"
+    # The drafter's forward and backward under autocast (weights and optimizer stay float32); auto: what
+    # `accelerate launch` was configured with, else no.  bf16 needs a GPU, or a CPU with AVX-512 BF16 or AMX.
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     target_top_k: int = positive(32)  # p^T kept as its top-k (the TV loss is exact for that truncation)
     target_batch: int = positive(8)  # sequences per no-grad target pass
     eval_samples: int = positive(32)  # regenerated sequences held out for the simulated tau
@@ -170,8 +176,8 @@ class DecodeConfig:
     draft_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # How a decode round runs (outputs are the same on every path):
     #   eager   shapes follow the batch (rows, tokens in the pass, context): the reference, fastest on a CPU
-    #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), K + 1 tokens per verify, the whole
-    #           allocated KV cache attended under a mask built on the device, one host read per round
+    #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), the whole allocated KV cache
+    #           attended under a mask built on the device, one host read per round
     #   graphs  static, each (bucket, width) target pass and the DLite draft round captured as a CUDA graph
     #   auto    graphs on CUDA, eager on a CPU
     path: Literal["auto", "eager", "static", "graphs"] = "auto"

@@ -27,7 +27,7 @@ from .devices import now
 from .adaptive import VerifyCosts
 from .errors import DliteError
 from .model import greedy_pick
-from .runner import TargetRunner, decode_path
+from .runner import TargetRunner, decode_path, pass_width
 
 
 @dataclass
@@ -262,7 +262,8 @@ class Engine:
         start = now(self.runner.device)
         request.slot = min(self.free)  # the lowest: a fixed-shape pass covers the slots up to the highest in use
         self.free.remove(request.slot)
-        logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, all_features=self.drafter.needs_all_features)
+        reach = len(request.prompt_ids) + request.params.max_new_tokens + self.drafter.draft_tokens + 1
+        logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, self.drafter.needs_all_features, reach)
         first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
         request.pivot = features[-1]
         self.active.append(request)
@@ -387,7 +388,8 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     decode = config.decode
     path = decode_path(decode.path, model.device, model.dtype)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path)
-    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path, proposer.draft_tokens + 1)
+    width = pass_width(proposer.draft_tokens, model.dtype)
+    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer
 

@@ -238,14 +238,17 @@ class Profiler:
         return rows
 
     def _training(self) -> list[dict]:
-        """Seconds per optimizer step of ``train.micro_batch`` sequences of ``train.max_length`` tokens, per stage,
-        and the target's no-grad feature pass over the same sequences (what ``train.features: online`` adds)."""
+        """Seconds per optimizer step of ``train.micro_batch`` sequences of ``train.max_length`` tokens, per stage
+        (under ``train.mixed_precision``), and the target's no-grad feature pass over the same sequences (what
+        ``train.features: online`` adds)."""
         train, out = self.config.train, []
         S, H, T, V = len(self.spec.target_layer_ids), self.spec.hidden_size, train.max_length, self.arch.vocab_size
         sequences = [Sequence(torch.randint(V, (T,)), T // 4, torch.randn(T, S, H).half(), torch.rand(T, train.target_top_k).half(),
                               torch.randint(V, (T, train.target_top_k), dtype=torch.int32)) for _ in range(train.micro_batch)]
         embed = self.model.get_input_embeddings()
         weights = position_weights(self.k, train.gamma)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.mixed_precision)
+        autocast = torch.autocast(self.device.type, dtype=half or torch.bfloat16, enabled=half is not None)
         teacher = None
         for name in TRAIN_STAGES:
             plan = stage_plan(name, train)
@@ -253,7 +256,8 @@ class Profiler:
             optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
 
             def step():
-                loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, self.device)
+                with autocast:
+                    loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, self.device)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -265,11 +265,11 @@ def run_regen(
             for c in mine:
                 for records in _run_chunk(c, chunks[c], chunks_dir, generator, tokenizer, config, regen):
                     done += len(records)
-                    new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r)
+                    new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and "labels" not in r)
                     rate = new_tokens / (time.time() - started)
                     bar.update(advance=len(records), description=f"regen {rate:.0f} tok/s")
                     stage.update(progress={"done": done, "total": len(prompts), "unit": "prompts"})
-        log(f"generated {new_tokens} tokens in {time.time() - started:.1f} s ({rate:.1f} tok/s, backend {regen.backend})")
+        log(f"generated {new_tokens} tokens in {time.time() - started:.1f} s ({rate:.1f} tok/s, backend {regen.backend}; kept original responses not counted)")
     return _finalize(stage, chunks, chunks_dir, source_skips, shard, log)
 
 

@@ -29,17 +29,24 @@ from .graphs import CudaGraphs, bucket_for
 from .model import SUPPORTED_FAMILIES, apply_rope
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
+SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
 COST_CONTEXT = 512  # context the verify costs that adaptive drafting weighs are measured at
 PATHS = ("eager", "static", "graphs")
 
 
 def decode_path(setting: str, device: torch.device, dtype: torch.dtype) -> str:
     """``decode.path`` → the path to run.  auto: graphs on CUDA; on a CPU eager in float32 and static in a
-    lower precision, whose matmuls round differently for different pass shapes: only passes of one
-    width give every method the same greedy text (and there a pass costs about the same at any width)."""
+    lower precision, whose matmuls and attention round differently for passes of different shapes: only
+    fixed shapes give every method the same greedy text (see :func:`pass_width`)."""
     if setting == "auto":
         return "graphs" if device.type == "cuda" else "eager" if dtype == torch.float32 else "static"
     return setting
+
+
+def pass_width(draft_tokens: int, dtype: torch.dtype) -> int:
+    """The fewest tokens in a decode pass: 1 in float32, K + 1 in a lower precision, for the same reason
+    (where such a precision is the fast one, a wider pass costs about the same: a CPU with bf16, a GPU)."""
+    return 1 if dtype == torch.float32 else draft_tokens + 1
 
 
 class TargetRunner:
@@ -47,8 +54,9 @@ class TargetRunner:
 
     def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager",
                  width: int = 1):
-        """``width``: tokens in every pass of the static path (a row's own, then padding) — K + 1, so that
-        plain decoding and every drafter compute each position with the same shapes."""
+        """``width``: the fewest tokens in a decode pass (a row's own, then padding).  K + 1 makes plain
+        decoding and every drafter compute each position with the same shapes: in a lower precision,
+        whose matmuls round by shape, that is what gives them the same greedy text."""
         config = model.config
         if config.model_type not in SUPPORTED_FAMILIES:
             raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
@@ -69,6 +77,7 @@ class TargetRunner:
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
+        self.reach = [0] * slots  # the most tokens each slot's request may come to hold (0: unknown)
         self.graphs = CudaGraphs(enabled=path == "graphs")
         self._verify_costs: list[float] = []
 
@@ -95,18 +104,23 @@ class TargetRunner:
         self.cached[slot] += tokens
 
     @torch.no_grad()
-    def prefill(self, slot: int, prompt: list[int], all_features: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def prefill(self, slot: int, prompt: list[int], all_features: bool, reach: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Start ``slot`` on ``prompt`` → logits at the last position (V,), features (P, S, H) at every
         position if ``all_features`` else (1, S, H) at the last one, and how many prompt tokens were reused.
 
         The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
         a shared system prompt) is kept and only the rest is computed, in chunks (eagerly, on every
-        path) — unless every position's features are needed."""
+        path) — unless every position's features are needed.  ``reach``: the most tokens the request may
+        come to hold (prompt, token budget, a last draft), which the static path sizes its passes by."""
+        self.reach[slot] = reach
         reused = 0
         if not all_features:
             held = self.cached[slot]
             while reused < min(len(held), len(prompt) - 1) and held[reused] == prompt[reused]:
                 reused += 1
+            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
+            # which lower precisions need for the same result (their matmuls round by shape)
+            reused -= reused % self.prefill_chunk
         self.truncate(slot, reused)
         features = []
         for start in range(reused, len(prompt), self.prefill_chunk):
@@ -120,6 +134,8 @@ class TargetRunner:
         """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
         features (B', Q, S, H) and ``index`` (B,): row b's outputs are row index[b] (B' = B when eager,
         the bucket when static).  Nothing is kept until ``commit``."""
+        if tokens.shape[1] < self.width:  # padding after each row's own tokens: computed, never kept
+            tokens = F.pad(tokens, (0, self.width - tokens.shape[1]))
         if self.path == "eager":
             logits, features = self.forward(slots, tokens)
             return logits, features, torch.arange(len(slots), device=self.device)
@@ -130,7 +146,9 @@ class TargetRunner:
         (on slot 0, emptied afterwards)."""
         if len(self._verify_costs) < widths:
             self.commit(0, [0] * min(context, self.capacity - widths))
-            self._verify_costs = self.pass_costs([0], list(range(1, widths + 1)), repeats)
+            # passes padded to ``width`` tokens cost the same: measured once, not as noise between equals
+            measured = self.pass_costs([0], list(range(min(widths, self.width), widths + 1)), repeats)
+            self._verify_costs = [measured[0]] * (min(widths, self.width) - 1) + measured
             self.truncate(0, 0)
         return self._verify_costs[:widths]
 
@@ -162,22 +180,26 @@ class TargetRunner:
         """The fixed-shape pass over the first ``bucket`` slots; rows not in ``slots`` are padding (their
         keys/values land past their held tokens, where nothing reads them)."""
         bucket = bucket_for(max(slots) + 1, self.slots)
-        Q = max(tokens.shape[1], self.width)
+        Q = tokens.shape[1]
         span = max(self.length(s) for s in slots) + Q
         self._check(span)
-        self._reserve(span)
+        self._reserve(max(span, *(min(self.reach[s], self.capacity) for s in slots)))
         for slot in set(range(bucket)) - set(slots):  # a padding row must not write past the allocation
             self.truncate(slot, min(self.length(slot), self.keys[0].shape[2] - Q))
         index = torch.tensor(slots, device=self.device)
-        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device)
-        padded[:, : tokens.shape[1]].index_copy_(0, index, tokens.to(self.device))
+        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device).index_copy_(0, index, tokens.to(self.device))
         lengths = torch.tensor([self.length(s) for s in range(bucket)], device=self.device)
-        logits, features = self.graphs.run((bucket, Q, self.keys[0].shape[2]), self._static_pass, padded, lengths)
+        # A graph reads the whole allocation.  Eagerly, a pass attends over what its rows' requests can
+        # reach (their ``reach``, rounded up to a step): the same keys for every pass of a request, so every
+        # method computes a position alike, without attending to all that was ever allocated.
+        allocated = self.keys[0].shape[2]
+        reach = max(span, *(self.reach[s] for s in slots))
+        span = allocated if self.graphs.enabled else min(allocated, -(-reach // SPAN_STEP) * SPAN_STEP)
+        logits, features = self.graphs.run((bucket, Q, span), lambda t, n: self._static_pass(t, n, span), padded, lengths)
         return logits, features, index
 
-    def _static_pass(self, tokens: torch.Tensor, lengths: torch.Tensor):
-        """tokens (bucket, Q) after lengths (bucket,) held tokens, attending over the whole allocation."""
-        span = self.keys[0].shape[2]
+    def _static_pass(self, tokens: torch.Tensor, lengths: torch.Tensor, span: int):
+        """tokens (bucket, Q) after lengths (bucket,) held tokens, attending over the first ``span`` cache entries."""
         positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
         mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]
         return self._pass(slice(0, tokens.shape[0]), tokens, positions, span, mask, False, False)

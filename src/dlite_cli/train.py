@@ -2,9 +2,11 @@
 
     train-teacher   W = full (history-aware teacher; train.teacher_window for the ablations), CE against the regenerated tokens
     warmup          W = 0, forward KL to the frozen teacher (initialised from the teacher's shared weights)
-    stable          W = 0, λ_CE·CE + λ_TV·TV against the target (initialised from warmup)
+    stable          W = 0, λ_CE·CE + λ_TV·TV against the target (initialised from warmup; train.stable_init: scratch
+                    starts it from the drafter's own initialisation instead)
     stable-scratch  the same loss from random weights, for warmup + stable epochs (Figure 5's baseline)
     stable-parallel as stable-scratch, without the sequential head (the pure-parallel ablation)
+(with ``stable_init: scratch`` the single-stage runs take stable's epochs, as stable does)
 
 A global batch is ``train.global_batch`` sequences, each giving up to
 ``train.anchors_per_sample`` anchors (resampled every epoch, seeded).  Under
@@ -50,13 +52,15 @@ class StagePlan:
 
 
 def stage_plan(name: str, train: TrainConfig) -> StagePlan:
+    # the single-stage runs get the epochs of the stage-2 drafter they are compared with
+    single = train.stable_epochs if train.stable_init == "scratch" else train.warmup_epochs + train.stable_epochs
     plans = {
         # teacher_window: −1 = full (the paper's teacher); 128 / 512 / 0 give the history ablations
         "train-teacher": StagePlan("train-teacher", train.teacher_window, "ce", train.teacher_epochs, None),
         "warmup": StagePlan("warmup", 0, "kl", train.warmup_epochs, "train-teacher"),
-        "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup"),
-        "stable-scratch": StagePlan("stable-scratch", 0, "stable", train.warmup_epochs + train.stable_epochs, None),
-        "stable-parallel": StagePlan("stable-parallel", 0, "stable", train.warmup_epochs + train.stable_epochs, None, sequential_head=False),
+        "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup" if train.stable_init == "warmup" else None),
+        "stable-scratch": StagePlan("stable-scratch", 0, "stable", single, None),
+        "stable-parallel": StagePlan("stable-parallel", 0, "stable", single, None, sequential_head=False),
     }
     return plans[name]
 
@@ -205,7 +209,8 @@ class Trainer:
         device = resolve_device(config.target.device)
         if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
-        self.accelerator = Accelerator(cpu=device.type == "cpu")
+        precision = None if self.train.mixed_precision == "auto" else self.train.mixed_precision
+        self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
         if self.train.global_batch % per_step:
@@ -312,7 +317,8 @@ class Trainer:
         """Mean loss over the anchors of ``sequences`` (their indices seed the anchor choice)."""
         seeds = [self._anchor_seed(epoch, i) for i in indices]
         embed = self.target_model.get_input_embeddings()
-        return stage_loss(self.plan, self.train, drafter, teacher, embed, sequences, seeds, self.weights, self.accelerator.device)
+        with self.accelerator.autocast():  # the frozen teacher's forward too
+            return stage_loss(self.plan, self.train, drafter, teacher, embed, sequences, seeds, self.weights, self.accelerator.device)
 
     @torch.no_grad()
     def evaluate(self, drafter: Drafter, sequences: list[Sequence], chunk: int = 64) -> dict:
