@@ -106,3 +106,22 @@ def test_a_killed_bench_resumes_without_duplicating(cache_dir, tmp_path):
     assert before >= 2 and max(keys.values()) == 1 and len(keys) == 2 * 2 * 2  # (bfcl_v3, swe_bench) x 2 episodes x 2 methods
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert "already done" in again.stderr
+
+
+def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_plain_decoding_is_timed(bench_dir, cache_dir, tmp_path):
+    """bfloat16 rounds by pass shape: the bench pads every pass to K + 1 tokens (static path), so the
+    adaptive drafter, its fixed-K variant, the hybrid and padded plain decoding agree; ar:fastest (one
+    token a pass, eager) is timed beside them and is the speedup's baseline."""
+    drafter = bench_dir.parent.parent.parent / "mydrafter"
+    methods = f"ar,ngram,{drafter},{drafter}:fixed,{drafter}+ngram"
+    command = [sys.executable, "-m", "dlite_cli", *BENCH, "--suite", "general", "--methods", methods, "--concurrency", "",
+               "--set", "target.dtype=bfloat16"]
+    subprocess.run(command, cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, check=True, capture_output=True, timeout=600)
+    run = tmp_path / "runs" / "micro" / "bench"
+    assert json.loads((run / "manifest.json").read_text())["summary"]["decode_path"] == "static"
+    by_episode = {}
+    for record in lines(run / "results.jsonl"):
+        by_episode.setdefault(record["episode"], {})[record["method"]] = [t.get("output_sha") for t in record["turns"]]
+    assert len(by_episode) >= 3
+    for texts in by_episode.values():
+        assert "ar:fastest" in texts and len({tuple(v) for m, v in texts.items() if m != "ar:fastest"}) == 1

@@ -118,9 +118,10 @@ class TargetRunner:
             held = self.cached[slot]
             while reused < min(len(held), len(prompt) - 1) and held[reused] == prompt[reused]:
                 reused += 1
-            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
-            # which lower precisions need for the same result (their matmuls round by shape)
-            reused -= reused % self.prefill_chunk
+            if self.keys[0].dtype != torch.float32:
+                # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
+                # which lower precisions need for the same result (their matmuls round by shape)
+                reused -= reused % self.prefill_chunk
         self.truncate(slot, reused)
         features = []
         for start in range(reused, len(prompt), self.prefill_chunk):
