@@ -265,7 +265,7 @@ def run_regen(
             for c in mine:
                 for records in _run_chunk(c, chunks[c], chunks_dir, generator, tokenizer, config, regen):
                     done += len(records)
-                    new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and "labels" not in r)
+                    new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and r.get("labels") != "target")
                     rate = new_tokens / (time.time() - started)
                     bar.update(advance=len(records), description=f"regen {rate:.0f} tok/s")
                     stage.update(progress={"done": done, "total": len(prompts), "unit": "prompts"})

@@ -184,7 +184,8 @@ class TargetRunner:
         Q = tokens.shape[1]
         span = max(self.length(s) for s in slots) + Q
         self._check(span)
-        self._reserve(max(span, *(min(self.reach[s], self.capacity) for s in slots)))
+        reach = max(span, *(min(self.reach[s], self.capacity) for s in slots))
+        self._reserve(reach)
         for slot in set(range(bucket)) - set(slots):  # a padding row must not write past the allocation
             self.truncate(slot, min(self.length(slot), self.keys[0].shape[2] - Q))
         index = torch.tensor(slots, device=self.device)
@@ -194,7 +195,6 @@ class TargetRunner:
         # reach (their ``reach``, rounded up to a step): the same keys for every pass of a request, so every
         # method computes a position alike, without attending to all that was ever allocated.
         allocated = self.keys[0].shape[2]
-        reach = max(span, *(self.reach[s] for s in slots))
         span = allocated if self.graphs.enabled else min(allocated, -(-reach // SPAN_STEP) * SPAN_STEP)
         logits, features = self.graphs.run((bucket, Q, span), lambda t, n: self._static_pass(t, n, span), padded, lengths)
         return logits, features, index
