@@ -25,15 +25,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def run_cli(cache_dir, tmp_path):
-    """Run ``dlite ARGS`` in ``tmp_path`` as a separate process; return the CompletedProcess."""
+    """Run ``dlite ARGS`` in ``tmp_path`` as a separate process (``env``: variables to add); return the CompletedProcess."""
 
-    def run(*args: str, check: bool = True, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+    def run(*args: str, check: bool = True, cwd: Path = tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
         done = subprocess.run(
             [sys.executable, "-m", "dlite_cli", *args],
             cwd=cwd,
             capture_output=True,
             text=True,
-            env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200"},
+            env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200", **(env or {})},
             timeout=300,
         )
         if check and done.returncode != 0:

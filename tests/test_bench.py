@@ -105,7 +105,65 @@ def test_a_killed_bench_resumes_without_duplicating(cache_dir, tmp_path):
     keys = Counter((r["workload"], r["episode"], r["method"]) for r in lines(results))
     assert before >= 2 and max(keys.values()) == 1 and len(keys) == 2 * 2 * 2  # (bfcl_v3, swe_bench) x 2 episodes x 2 methods
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert "already done" in again.stderr
+    assert "measured 0, reused 8" in again.stderr and len(lines(results)) == 8
+
+
+def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_again(cache_dir, tmp_path):
+    env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
+
+    def bench(*args: str) -> None:
+        subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, *args], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+
+    run = tmp_path / "runs" / "micro" / "bench"
+    bench("--suite", "agentic", "--methods", "ar,ngram")  # bfcl_v3 and swe_bench, one episode each
+    first = lines(run / "results.jsonl")
+    bench("--workload", "swe_bench", "--limit", "2", "--methods", "ar,ngram,ngram:fixed")  # more episodes, one more method
+    records = lines(run / "results.jsonl")
+    plans = {folder.name.split("-")[0]: folder for folder in (run / "plans").iterdir()}
+    assert set(plans) == {"agentic", "swe_bench"}
+    plan = json.loads((plans["swe_bench"] / "plan.json").read_text())
+    reused = {r["id"] for r in first if r["workload"] == "swe_bench"}
+    new = records[len(first):]
+    assert len(reused) == 2 and len(new) == 4 and plan["measured"] == 4 and plan["reused"] == 2
+    assert set(plan["measurements"]["episodes"]) == reused | {r["id"] for r in new}  # nothing decoded twice
+    assert Counter(r["method"] for r in new) == {"ar": 1, "ngram": 1, "ngram:fixed": 2}
+    for folder in plans.values():  # each plan keeps its tables; the latest is also at the top
+        assert (folder / "table3_agentic.md").stat().st_size > 0
+    assert (run / "summary.md").read_text() == (plans["swe_bench"] / "summary.md").read_text()
+    table3 = json.loads((run / "table3_agentic.json").read_text())
+    assert {r["method"] for r in table3["rows"] if r["target"] == "micro"} == {"ar", "ngram", "ngram:fixed"}
+
+    bench("--workload", "swe_bench", "--limit", "2", "--methods", "ar,ngram,ngram:fixed", "--force")
+    again = json.loads((plans["swe_bench"] / "plan.json").read_text())
+    assert again["measured"] == 6 and not set(again["measurements"]["episodes"]) & set(plan["measurements"]["episodes"])
+    assert len(lines(run / "results.jsonl")) == len(records) + 6
+
+
+def test_a_named_data_file_that_gives_no_episode_is_an_error(cache_dir, tmp_path):
+    data = tmp_path / "humaneval.jsonl"
+    data.write_text("not json\n{broken\n")
+    done = subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, "--workload", "humaneval", "--data", f"humaneval={data}", "--methods", "ar"],
+                          cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"--data humaneval={data}: no humaneval records found: 2 unreadable, the first because line 1 is not valid JSON" in done.stderr
+    assert not (tmp_path / "runs" / "micro" / "bench").exists()  # refused before anything was written
+
+
+def test_log_axes_are_labelled_with_plain_numbers_only():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dlite_cli.report import _plain_log_ticks
+
+    figure, axis = plt.subplots()
+    axis.plot([256, 512, 1024, 4096], [1, 2, 3, 4])
+    _plain_log_ticks(axis, [256, 512, 1024, 4096])
+    figure.canvas.draw()
+    assert [t.get_text() for t in axis.get_xticklabels()] == ["256", "512", "1k", "4k"]
+    assert [t.get_text() for t in axis.get_xticklabels(minor=True)] == []
+    plt.close(figure)
 
 
 def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_plain_decoding_is_timed(bench_dir, cache_dir, tmp_path):

@@ -1,3 +1,8 @@
+import re
+
+import pytest
+
+
 def test_help_lists_every_command_with_a_purpose(run_cli):
     done = run_cli("--help")
     for command in ("prepare-target", "regen", "status"):
@@ -6,6 +11,10 @@ def test_help_lists_every_command_with_a_purpose(run_cli):
     regen_help = run_cli("regen", "--help").stdout
     for option in ("--shard", "--limit", "--backend", "--base-url", "--concurrency", "--force", "--set"):
         assert option in regen_help
+    bench_help = run_cli("bench", "--help").stdout  # values by name, defaults and ranges, no type tags
+    assert "--limit N" in bench_help and "[default: 0.0; x>=0]" in bench_help and "--data WORKLOAD=PATH" in bench_help
+    for command in ("regen", "bench", "generate", "serve", "profile", "status", "run"):
+        assert not re.search(r"<(bool|str|int|float|path|list)[^>]*>", run_cli(command, "--help").stdout)
 
 
 def test_prepare_target_prints_the_checkpoint_path(run_cli):
@@ -20,3 +29,16 @@ def test_bad_config_value_is_one_sentence_and_exit_2(run_cli):
     assert done.returncode == 2
     assert "target.micro.hidden_size must be > 0, got 0" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("what, args", [
+    ("the target Qwen/Qwen3-0.6B", ["generate", "-p", "hi", "--set", "target.model=Qwen/Qwen3-0.6B"]),
+    ("the data set mlabonne/open-perfectblend", ["regen", "--set", "regen.sources=[{name: open-perfectblend, count: 2}]"]),
+    ("the data set openai/gsm8k", ["bench", "--workload", "gsm8k", "--data", "gsm8k=openai/gsm8k", "--methods", "ar"]),
+])
+def test_without_the_hub_a_target_a_regen_source_or_a_workload_is_one_sentence_and_exit_2(run_cli, tmp_path, what, args):
+    done = run_cli(*args, "--target", "micro", check=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"could not load {what} from the Hugging Face hub (HF_HUB_OFFLINE is set); " in line
+    assert "--set target.model=DIR" in line if "target" in what else "a local copy" in line

@@ -54,7 +54,12 @@ def test_micro_pipeline_runs_every_stage_then_has_nothing_left_to_do(run_cli, tm
 
     again = run_cli("run", "micro")
     assert again.stderr.count("(done before)") == len(STAGES)
-    assert "already done" in again.stderr
+    assert "already done" in again.stderr and "measured 0" in again.stderr  # the bench reused every measurement
+
+    shown = run_cli("status", "--target", "micro", "--verbose", env={"COLUMNS": "80"}).stdout
+    assert max(len(line) for line in shown.splitlines()) <= 80
+    steps = json.loads((run / "train-teacher" / "manifest.json").read_text())["summary"]["steps"]
+    assert f"{steps}/{steps} steps" in shown and "stable: config " in shown  # a finished stage shows its full count
 
 
 def test_until_stops_and_from_starts_where_asked(run_cli, tmp_path):

@@ -1,4 +1,5 @@
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,10 @@ def manifest(run: Path) -> dict:
 
 
 def test_regen_micro_end_to_end(run_cli, tmp_path):
-    run_cli("regen", "--target", "micro")
+    first = run_cli("regen", "--target", "micro", env={"DLITE_PROGRESS_INTERVAL": "0.05"})
+    # stderr is not a terminal: progress comes as lines at a steady interval, the last one complete
+    progress = [line for line in first.stderr.splitlines() if re.fullmatch(r"regen[^:]*: \d+/32 \(\d+%\), [\d.]+/s, elapsed \d+:\d\d, eta \S+", line)]
+    assert len(progress) >= 2 and "32/32 (100%)" in progress[-1]
     run = tmp_path / "runs" / "micro"
     records = chunk_records(run)
     assert len(records) == 24 + 8  # the configured counts of usable prompts: regenerated, then kept originals

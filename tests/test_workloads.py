@@ -5,7 +5,8 @@ import json
 import pytest
 
 from dlite_cli.errors import DliteError
-from dlite_cli.workloads import BY_NAME, WORKLOADS, Unavailable, hub_problem, load, select
+from dlite_cli.hub import hub_problem
+from dlite_cli.workloads import BY_NAME, WORKLOADS, Unavailable, load, select
 
 LONGBENCH_RECORD = {"_id": "lb1", "domain": "Multi-Document QA", "question": "Who?", "context": "Doc one. Doc two.",
                     **{f"choice_{c}": f"option {c}" for c in "ABCD"}, "answer": "A"}

@@ -14,6 +14,7 @@ place, so a killed stage never leaves a file that looks complete.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -112,6 +113,18 @@ def versions() -> dict[str, str]:
     }
 
 
+def fingerprint_dir(directory: Path) -> str:
+    """sha256 over a checkpoint's config and weight files (names and bytes): it changes when its weights do."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(directory).iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
+            digest.update(path.name.encode())
+            with path.open("rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -135,21 +148,24 @@ class Stage:
     def manifest(self) -> dict | None:
         return read_json(self.manifest_path)
 
-    def begin(self, config_hash: str, config: dict, inputs: dict, force: bool = False) -> bool:
+    def begin(self, config_hash: str, config: dict, inputs: dict, force: bool = False, keyed: bool = False) -> bool:
         """Claim the stage for this config; return False if it is already done with it.
 
-        A stage left by a different config is refused unless ``force``, which wipes it.
+        A stage left by a different config is refused unless ``force``, which wipes it.  A ``keyed`` stage
+        (the bench: every line of its files is keyed by what made it) is claimed by any config, keeps its
+        files and is never done: each claim decides for itself what is left to do.
         """
         old = self.manifest()
         if old is not None and old["config_hash"] != config_hash:
-            if not force:
+            if not (force or keyed):
                 raise DliteError(
                     f"{self.dir} was produced by a different config (hash {old['config_hash']}, now {config_hash});"
                     " pass --force to discard it and start again"
                 )
-            shutil.rmtree(self.dir)
+            if not keyed:
+                shutil.rmtree(self.dir)
             old = None
-        if old is not None and old["status"] == "done":
+        if old is not None and old["status"] == "done" and not keyed:
             return False
         self.dir.mkdir(parents=True, exist_ok=True)
         manifest = old or {"stage": self.name, "config_hash": config_hash, "elapsed_s": 0.0, "runs": 0}
@@ -173,6 +189,10 @@ class Stage:
         atomic_write_json(self.manifest_path, manifest)
 
     def finish(self, **fields: Any) -> None:
+        """Mark the stage done; its recorded progress reads complete (progress is recorded only now and then)."""
+        progress = (self.manifest() or {}).get("progress")
+        if progress and "progress" not in fields:
+            fields["progress"] = {**progress, "done": progress["total"]}
         self.update(status="done", finished=_now(), **fields)
 
 

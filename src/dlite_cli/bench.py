@@ -1,16 +1,25 @@
-"""``dlite bench``: every method on the same episodes in one process, interleaved, resumable.
+"""``dlite bench``: every method on the same episodes in one process, interleaved, resumable, and every
+measurement kept for the plans that come after.
 
 For each episode of each workload, every method in turn replays the conversation: the turn's
 messages are appended, the method decodes the assistant's reply (greedy by default, so every method
 writes the same reply and sees the same contexts), the reply is appended, and so on.  Methods
 alternate episode by episode, after a warm-up, so drift of the machine hits all of them alike.
 
-    <run>/bench/results.jsonl       one line per (workload, episode, method): per-turn statistics
-    <run>/bench/concurrency.jsonl   one line per (concurrency, method): throughput of the batched engine
-    <run>/bench/unavailable.json    workloads and methods that could not run, with the reason
+A measurement is stored under a key of everything that determines it (:meth:`Bench._key`): the
+method and its drafter's fingerprint, the workload, the episode's id and text, the token budget and
+temperature, the decode settings, the target's fingerprint and dtype, and the hardware.  A plan
+(which workloads, episodes and methods) measures only what no earlier plan in the run directory
+measured under the same key and reuses the rest; ``--force`` measures the whole plan again.
+
+    <run>/bench/results.jsonl       one line per measured (workload, episode, method): id, key, per-turn statistics
+    <run>/bench/concurrency.jsonl   one line per measured (concurrency, method): throughput of the batched engine
+    <run>/bench/plans/<plan>/       a plan's tables, plots and summary.md, and plan.json: the plan, the ids of
+                                    the measurements its tables show, what was unavailable and why
+    <run>/bench/*.md, *.png, ...    the latest plan's tables, plots and summary.md
 
 Lines are appended as they finish, so an interrupted bench resumes where it stopped.  The tables
-and plots (report.py) are written from these files at the end.
+and plots (report.py) are written from the plan's measurements at the end.
 """
 
 from __future__ import annotations
@@ -19,19 +28,21 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
+import uuid
 from pathlib import Path
 
 
-from .artifacts import Stage, atomic_write_json
-from .config import Config, config_hash
+from .artifacts import Stage, atomic_path, atomic_write_json, atomic_write_text, fingerprint_dir, read_json
+from .config import BenchConfig, Config, config_hash
 from .devices import hardware
 from .drafters import load_proposer, resolve_drafter_path, split_fixed
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .progress import progress_bar
 from .regen import chat_prompt_ids
-from .report import write_report
+from .report import PLOTS, write_report
 from .runner import TargetRunner, decode_path, pass_width
 from .targets import load_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
@@ -46,6 +57,7 @@ THROUGHPUT_WORKLOADS = ("humaneval", "sharegpt", "mt_bench")  # the first availa
 
 @dataclasses.dataclass
 class BenchPlan:
+    label: str  # the suite, or the one workload: names the plan's folder
     workloads: list[str]
     methods: list[str]
     limit: int
@@ -75,39 +87,97 @@ def append_line(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def stored_by_key(path: Path, start: int) -> dict[str, dict]:
+    """key → the latest measurement from line ``start`` of ``path`` on (lines written before keys were kept are skipped)."""
+    return {record["key"]: record for record in read_lines(path)[start:] if "key" in record}
+
+
 class Bench:
     def __init__(self, config: Config, run_dir: Path, plan: BenchPlan, log=print):
         self.config, self.plan, self.log = config, plan, log
         self.stage = Stage(run_dir, "bench")
         self.results, self.throughput = self.stage.dir / "results.jsonl", self.stage.dir / "concurrency.jsonl"
 
-    def run(self, force: bool = False) -> bool:
-        """Measure what is missing; False if the bench was already done with this plan."""
+    def run(self, force: bool = False) -> dict:
+        """Measure what the run directory does not hold yet (with ``force``, all of the plan), write the plan's
+        tables → {"measured": n, "reused": n}."""
+        episodes, unavailable = self._load_episodes()
         model, self.tokenizer, target = load_target(self.config.target, self.log)
         self.path = decode_path(self.config.decode.path, model.device, model.dtype)
         width = pass_width(self.config.drafter.draft_tokens, model.dtype)
-        recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode), "drafter": dataclasses.asdict(self.config.drafter),
-                    "decode_path": self.path}
-        if not self.stage.begin(config_hash(recorded, target.fingerprint), recorded, {"target": target.fingerprint}, force):
-            self._report()
-            return False
+        recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode),
+                    "draft_tokens": self.config.drafter.draft_tokens, "decode_path": self.path}
+        digest = config_hash(recorded, target.fingerprint)
+        self.plan_dir = self.stage.dir / "plans" / f"{self.plan.label}-{digest[:8]}"
+        self.stage.begin(digest, recorded, {"target": target.fingerprint}, keyed=True)
         self._clean_torn_tail()
-        unavailable = {"workloads": {}, "methods": {}}
-        self.engines, self.drafters = {}, {}
+        state = read_json(self.plan_dir / "plan.json") or {}
+        # measurements before these lines are not this plan's: those it re-measures under --force (kept through a kill)
+        reuse_from = state.get("reuse_from", {"results": 0, "concurrency": 0})
+        if force:
+            reuse_from = {"results": len(read_lines(self.results)), "concurrency": len(read_lines(self.throughput))}
+        self.hardware = hardware(model.device)
+        # what every measurement of this process shares (with its own method, drafter and episode, its key)
+        self.setting = {"target": target.fingerprint, "dtype": str(model.dtype), "thinking": self.config.target.thinking,
+                        "hardware": self.hardware, "decode": dataclasses.asdict(self.config.decode), "decode_path": self.path,
+                        "pass_width": width, "draft_tokens": self.config.drafter.draft_tokens}
+        unavailable["methods"] = self._load_methods(model, width)
+        for kind, reasons in unavailable.items():
+            for name, reason in reasons.items():
+                self.log(f"{kind[:-1]} {name} unavailable: {reason}")
+        if not self.engines:
+            raise DliteError("no method could be loaded: " + "; ".join(unavailable["methods"].values()))
+        record = {"plan": dataclasses.asdict(self.plan), "reuse_from": reuse_from, "unavailable": unavailable}
+        atomic_write_json(self.plan_dir / "plan.json", {**record, "status": "running"})
+        self.warmed_up = False
+        results, measured = self._episodes(episodes, reuse_from["results"])
+        throughput, measured_throughput = self._concurrency(episodes, reuse_from["concurrency"])
+        ids = {"episodes": [r["id"] for r in results], "concurrency": [r["id"] for r in throughput]}
+        counts = {"measured": measured + measured_throughput, "reused": len(results) + len(throughput) - measured - measured_throughput}
+        atomic_write_json(self.plan_dir / "plan.json", {**record, "status": "done", "measurements": ids, **counts})
+        self.stage.finish(summary={"plan": self.plan_dir.name, "hardware": self.hardware, "decode_path": self.path,
+                                   "episodes": sum(len(e) for e, _ in episodes.values()), "unavailable": unavailable, **counts})
+        self.log(f"bench plan {self.plan_dir.name}: measured {counts['measured']}, reused {counts['reused']} "
+                 f"(episode runs and concurrency levels; --force measures them again)")
+        self._report(results, throughput, unavailable)
+        return counts
+
+    def _load_episodes(self) -> tuple[dict[str, tuple[list[Episode], str]], dict]:
+        """The plan's episodes per workload, and what is unavailable; a named ``--data`` that gives none is an error."""
+        episodes, unavailable = {}, {"workloads": {}, "methods": {}}
+        for name in self.plan.workloads:
+            result = load(BY_NAME[name], self.plan.data.get(name), self.plan.limit)
+            if isinstance(result, Unavailable):
+                if name in self.plan.data:
+                    raise DliteError(f"--data {name}={self.plan.data[name]}: {result.reason}")
+                unavailable["workloads"][name] = result.reason
+            else:
+                episodes[name] = result
+        return episodes, unavailable
+
+    def _load_methods(self, model, width: int) -> dict[str, str]:
+        """An engine per method of the plan (and ar:fastest beside padded plain decoding) → the methods that could
+        not be loaded, with the reason."""
+        self.engines, self.drafters, self.fingerprints = {}, {}, {}
+        unavailable, proposers = {}, {}
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
-        proposers = {}
         self.fastest_path = fastest_path = "graphs" if model.device.type == "cuda" else "eager"
         methods = self.plan.methods
         if "ar" in methods and (width > 1 or self.path != fastest_path):
             methods = methods + [FASTEST_AR]
         for method in methods:
             name = METHOD_NAMES.get(method, method)
+            base = split_fixed(name)[0]
             try:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
-                self.drafters[method] = name if split_fixed(name)[0] in ("none", "ngram") else str(resolve_drafter_path(split_fixed(name)[0], self.stage.dir.parent))
+                if base in ("none", "ngram"):
+                    self.drafters[method] = self.fingerprints[method] = name
+                else:
+                    directory = resolve_drafter_path(base, self.stage.dir.parent)
+                    self.drafters[method], self.fingerprints[method] = str(directory), fingerprint_dir(directory)
             except DliteError as e:
-                unavailable["methods"][method] = str(e)
+                unavailable[method] = str(e)
         # Methods share a runner where their drafters read the same target layers (those that read none
         # join the first), so the prompt prefilled for one method is reused by the next on the same episode:
         # prefill is the target's work alone, the same for every method, and excluded from the speedup.
@@ -124,50 +194,45 @@ class Bench:
                 runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path, width)
             adaptive = self.config.decode.adaptive and split_fixed(method)[1]
             self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
-        episodes = {}
-        for name in self.plan.workloads:
-            result = load(BY_NAME[name], self.plan.data.get(name), self.plan.limit)
-            if isinstance(result, Unavailable):
-                unavailable["workloads"][name] = result.reason
-            else:
-                episodes[name] = result
-        atomic_write_json(self.stage.dir / "unavailable.json", unavailable)
-        for kind, reasons in unavailable.items():
-            for name, reason in reasons.items():
-                self.log(f"{kind[:-1]} {name} unavailable: {reason}")
-        if not self.engines:
-            raise DliteError("no method could be loaded: " + "; ".join(unavailable["methods"].values()))
-        self._warm_up()
-        self._episodes(episodes)
-        self._concurrency(episodes)
-        self.stage.finish(summary={"hardware": hardware(model.device), "decode_path": self.path, "episodes": sum(len(e) for e, _ in episodes.values()),
-                                   "unavailable": unavailable})
-        self._report()
-        return True
+        return unavailable
 
-    def _report(self) -> None:
-        written = write_report(self.stage.dir, self.config.target.model, self.stage.manifest()["summary"]["hardware"])
-        self.log(f"wrote {len(written)} files to {self.stage.dir}: tables 1-4 (md, csv, json, tex), plots and summary.md")
+    def _report(self, results: list[dict], throughput: list[dict], unavailable: dict) -> None:
+        """The plan's tables and plots in its folder, and copied to the top of the bench folder (the latest plan)."""
+        written = write_report(self.plan_dir, results, throughput, unavailable, self.config.target.model, self.hardware)
+        for name in set(PLOTS) - set(written):  # a plot of an earlier plan that this one has no data for
+            (self.stage.dir / name).unlink(missing_ok=True)
+        for name in written:
+            with atomic_path(self.stage.dir / name) as tmp:
+                shutil.copyfile(self.plan_dir / name, tmp)
+        self.log(f"wrote {len(written)} files to {self.plan_dir} and {self.stage.dir}: tables 1-4 (md, csv, json, tex), plots and summary.md")
+
+    def _key(self, **fields) -> str:
+        """The key of a measurement: this process's setting and the measurement's own ``fields``."""
+        return config_hash(self.setting, fields)
 
     # ----- the episodes
 
-    def _episodes(self, episodes: dict[str, tuple[list[Episode], str]]) -> None:
-        done = {(r["workload"], r["episode"], r["key"], r["method"]) for r in read_lines(self.results)}
-        work = [(name, episode, source) for name, (items, source) in episodes.items() for episode in items]
-        total = len(work) * len(self.engines)
-        finished = sum((n, e.id, episode_key(e), m) in done for n, e, _ in work for m in self.engines)
-        with progress_bar("bench episodes", total=total, completed=finished) as bar:
-            for name, episode, source in work:
-                key = episode_key(episode)
-                for method, engine in self.engines.items():  # interleaved: every method on this episode, then the next
-                    if (name, episode.id, key, method) in done:
-                        continue
-                    turns = self._replay(engine, episode)
-                    append_line(self.results, {"workload": name, "episode": episode.id, "key": key, "method": method,
-                                               "drafter": self.drafters[method], "source": source, "turns": turns})
-                    finished += 1
-                    bar.update(advance=1, description=f"bench {name}")
-                    self.stage.update(progress={"done": finished, "total": total, "unit": "episode runs"})
+    def _episodes(self, episodes: dict[str, tuple[list[Episode], str]], reuse_from: int) -> tuple[list[dict], int]:
+        """Every method on every episode, the stored measurements reused → the plan's records, and how many were measured."""
+        stored = stored_by_key(self.results, reuse_from)
+        work = []  # (workload, episode, source, method, key), interleaved: every method on an episode, then the next
+        for name, (items, source) in episodes.items():
+            for episode in items:
+                for method in self.engines:
+                    key = self._key(method=method, drafter=self.fingerprints[method], workload=name, episode=episode.id,
+                                    text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
+                    work.append((name, episode, source, method, key))
+        missing = [item for item in work if item[-1] not in stored]
+        with progress_bar("bench episodes", total=len(work), completed=len(work) - len(missing)) as bar:
+            for done, (name, episode, source, method, key) in enumerate(missing, len(work) - len(missing) + 1):
+                self._warm_up()
+                turns = self._replay(self.engines[method], episode)
+                stored[key] = {"id": uuid.uuid4().hex[:12], "key": key, "workload": name, "episode": episode.id, "method": method,
+                               "drafter": self.drafters[method], "drafter_fingerprint": self.fingerprints[method], "source": source, "turns": turns}
+                append_line(self.results, stored[key])
+                bar.update(advance=1, description=f"bench {name}")
+                self.stage.update(progress={"done": done, "total": len(work), "unit": "episode runs"})
+        return [stored[item[-1]] for item in work], len(missing)
 
     def _replay(self, engine: Engine, episode: Episode) -> list[dict]:
         """Decode every assistant turn of ``episode``, the context growing turn by turn."""
@@ -195,36 +260,55 @@ class Bench:
         return turns
 
     def _warm_up(self) -> None:
+        """Once, before the first measurement of this process: every engine decodes a few tokens."""
+        if self.warmed_up:
+            return
         ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": "Say hello."}], self.config.target.thinking)
         for engine in self.engines.values():
             engine.run([Request(ids, SamplingParams(max_new_tokens=8))])
+        self.warmed_up = True
 
     # ----- throughput vs concurrency (Table 4)
 
-    def _concurrency(self, episodes: dict[str, tuple[list[Episode], str]]) -> None:
+    def _concurrency(self, episodes: dict[str, tuple[list[Episode], str]], reuse_from: int) -> tuple[list[dict], int]:
+        """Each method's batched throughput at each level, the stored measurements reused → the plan's records,
+        and how many were measured."""
         source = next((name for name in THROUGHPUT_WORKLOADS if name in episodes), None)
         if source is None or not self.plan.concurrency:
-            return
-        prompts = [chat_prompt_ids(self.tokenizer, e.turns[0], self.config.target.thinking) for e in episodes[source][0]]
-        done = {(r["concurrency"], r["method"]) for r in read_lines(self.throughput)}
+            return [], 0
+        items = episodes[source][0]
+        prompts = [chat_prompt_ids(self.tokenizer, e.turns[0], self.config.target.thinking) for e in items]
+        stored, records, measured = stored_by_key(self.throughput, reuse_from), [], 0
         for level in self.plan.concurrency:
             batch = [prompts[i % len(prompts)] for i in range(2 * level)]  # every slot serves two requests
             for method, engine in self.engines.items():
-                if (level, method) in done or method == FASTEST_AR:
+                if method == FASTEST_AR:
                     continue
-                runner = engine.runner
-                # throughput: each method at its own width; plain decoding at its fastest (one token a pass)
-                path = runner.path if engine.drafter.draft_tokens else self.fastest_path
-                wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
-                                           pass_width(engine.drafter.draft_tokens, runner.model.dtype))
-                wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
-                start = time.perf_counter()
-                requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])
-                seconds = time.perf_counter() - start
-                tokens = sum(r.stats.generated_tokens for r in requests)
-                append_line(self.throughput, {"concurrency": level, "method": method, "workload": source, "requests": len(requests),
-                                              "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": wide.stats.tau})
-                self.log(f"concurrency {level} {method}: {tokens / seconds:.1f} tok/s, tau {wide.stats.tau:.2f}")
+                key = self._key(method=method, drafter=self.fingerprints[method], workload=source, concurrency=level,
+                                texts=[episode_key(e) for e in items], max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
+                if key not in stored:
+                    self._warm_up()
+                    stored[key] = {"id": uuid.uuid4().hex[:12], "key": key, "concurrency": level, "method": method, "workload": source,
+                                   **self._throughput(engine, level, batch)}
+                    append_line(self.throughput, stored[key])
+                    measured += 1
+                    self.log(f"concurrency {level} {method}: {stored[key]['tokens_per_s']:.1f} tok/s, tau {stored[key]['tau']:.2f}")
+                records.append(stored[key])
+        return records, measured
+
+    def _throughput(self, engine: Engine, level: int, batch: list[list[int]]) -> dict:
+        """``batch`` through a copy of ``engine`` with ``level`` slots: each method at its own pass width, plain
+        decoding at its fastest (one token a pass)."""
+        runner = engine.runner
+        path = runner.path if engine.drafter.draft_tokens else self.fastest_path
+        wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
+                                   pass_width(engine.drafter.draft_tokens, runner.model.dtype))
+        wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
+        start = time.perf_counter()
+        requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])
+        seconds = time.perf_counter() - start
+        tokens = sum(r.stats.generated_tokens for r in requests)
+        return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": wide.stats.tau}
 
     # ----- helpers
 
@@ -232,19 +316,22 @@ class Bench:
         """Rewrite the result files without a line torn by a kill, so appends start clean."""
         for path in (self.results, self.throughput):
             if path.exists():
-                path.write_text("".join(json.dumps(r) + "\n" for r in read_lines(path)))
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in read_lines(path)))
 
 
-def plan_from(suite: str, workload: str | None, methods: str, limit: int, max_new_tokens: int, temperature: float,
-              concurrency: str, data: list[str]) -> BenchPlan:
-    """Parse the command line's choices into a BenchPlan (one-sentence errors for bad values)."""
-    names = [m.strip() for m in methods.split(",") if m.strip()]
+def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: str | None, limit: int | None, max_new_tokens: int | None,
+              temperature: float, concurrency: str | None, data: list[str]) -> BenchPlan:
+    """The command line's choices, the config's ``bench`` section where it makes none → a BenchPlan
+    (one-sentence errors for bad values)."""
+    names = defaults.methods if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     if not names:
         raise DliteError("--methods is empty: expected e.g. ar,dlite,history,parallel,ngram")
-    try:
-        levels = [int(c) for c in concurrency.split(",") if c.strip()] if concurrency else []
-    except ValueError:
-        raise DliteError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    levels = defaults.concurrency
+    if concurrency is not None:
+        try:
+            levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        except ValueError:
+            raise DliteError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     if any(c < 1 for c in levels):
         raise DliteError(f"--concurrency levels must be at least 1, got {concurrency!r}")
     sources = {}
@@ -253,4 +340,5 @@ def plan_from(suite: str, workload: str | None, methods: str, limit: int, max_ne
         if not sep or name not in BY_NAME:
             raise DliteError(f"--data {item!r}: expected WORKLOAD=PATH_OR_HUB_ID with a workload among {', '.join(BY_NAME)}")
         sources[name] = where
-    return BenchPlan([w.name for w in select(suite, workload)], names, limit, max_new_tokens, temperature, levels, sources)
+    return BenchPlan(workload or suite, [w.name for w in select(suite, workload)], names, limit or defaults.limit,
+                     max_new_tokens or defaults.max_new_tokens, temperature, levels, sources)

@@ -19,26 +19,28 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: each value shown by its name (N, PATH, LIST), not typer's type tags
+    context_settings={"max_content_width": 120},  # the terminal's width, up to 120 columns
 )
 console = Console(stderr=True, highlight=False)  # messages and progress; stdout is left for results
 
 TargetOption = Annotated[
     str,
-    typer.Option("--target", "-t", help="Config name in configs/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path."),
+    typer.Option("--target", "-t", metavar="NAME", help="Config name in configs/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path."),
 ]
-RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", help="Run directory (default: runs/<target>).")]
+RunDirOption = Annotated[Optional[Path], typer.Option("--run-dir", metavar="DIR", help="Run directory (default: runs/<target>).")]
 SetOption = Annotated[
-    Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
+    Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a config value: section.key=value (repeatable).")
 ]
 DrafterOption = Annotated[
-    str, typer.Option(help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory; "
+    str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory; "
                            "NAME+ngram adds prompt lookup, NAME:fixed proposes all K tokens every round.")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
 
 
 def log(message: str) -> None:
-    console.print(message, markup=False)
+    console.print(message, markup=False, soft_wrap=True)  # a long line stays one line in a log
 
 
 def _load(target: str, overrides: list[str] | None) -> Config:
@@ -74,15 +76,15 @@ def regen(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    backend: Annotated[Optional[str], typer.Option(help="hf (transformers), openai (a server) or sglang (offline engine).")] = None,
-    base_url: Annotated[Optional[str], typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight with the openai backend.")] = 16,
-    model: Annotated[Optional[str], typer.Option(help="Model name on the server (default: its first model).")] = None,
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Use only the first N prompts of the plan.")] = None,
-    shard: Annotated[str, typer.Option(help="Run worker i of n: i/n. Workers share the run directory.")] = "0/1",
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass.")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Most new tokens per response.")] = None,
+    backend: Annotated[Optional[str], typer.Option(metavar="NAME", help="hf (transformers), openai (a server) or sglang (offline engine).")] = None,
+    base_url: Annotated[Optional[str], typer.Option(metavar="URL", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    concurrency: Annotated[int, typer.Option(metavar="N", min=1, help="Requests in flight with the openai backend.")] = 16,
+    model: Annotated[Optional[str], typer.Option(metavar="NAME", help="Model name on the server (default: its first model).")] = None,
+    limit: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Use only the first N prompts of the plan.")] = None,
+    shard: Annotated[str, typer.Option(metavar="I/N", help="Run worker i of n: i/n. Workers share the run directory.")] = "0/1",
+    temperature: Annotated[Optional[float], typer.Option(metavar="T", help="Sampling temperature (0 = greedy).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Nucleus sampling mass.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Most new tokens per response.")] = None,
     thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Qwen3 thinking mode.")] = None,
     force: ForceOption = False,
 ) -> None:
@@ -144,17 +146,17 @@ def stable(
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The user message ('-' reads it from stdin).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", metavar="TEXT", help="The user message ('-' reads it from stdin).")],
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
     drafter: DrafterOption = "dlite",
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens.")] = 128,
-    temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0, max=1, help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option(min=0, help="Sample among the k likeliest tokens (0 = all).")] = 0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Most new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option(metavar="T", min=0, help="Sampling temperature (0 = greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option(metavar="P", min=0, max=1, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(metavar="K", min=0, help="Sample among the k likeliest tokens (0 = all).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(metavar="N", help="Seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Feed the prompt as it is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, tau and all statistics).")] = False,
 ) -> None:
@@ -192,11 +194,11 @@ def serve(
     run_dir: RunDirOption = None,
     set_: SetOption = None,
     drafter: DrafterOption = "dlite",
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
-    max_batch: Annotated[Optional[int], typer.Option(min=1, help="Requests decoded together (default: decode.max_batch).")] = None,
-    max_queue: Annotated[int, typer.Option(min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
-    max_context: Annotated[Optional[int], typer.Option(min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", min=0, max=65535, help="TCP port.")] = 8000,
+    max_batch: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Requests decoded together (default: decode.max_batch).")] = None,
+    max_queue: Annotated[int, typer.Option(metavar="N", min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
+    max_context: Annotated[Optional[int], typer.Option(metavar="N", min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
     from .serve import serve as run_server
@@ -210,38 +212,41 @@ def bench(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    suite: Annotated[str, typer.Option(help="general, long, agentic or all.")] = "all",
-    workload: Annotated[Optional[str], typer.Option(help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories; "
-                                               "NAME+ngram pairs a drafter with prompt lookup, NAME:fixed proposes all K every round.")] = "ar,dlite,dlite:fixed,history,parallel,ngram,dlite+ngram",
-    limit: Annotated[int, typer.Option(min=1, help="Episodes per workload.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most new tokens per assistant turn.")] = 64,
-    temperature: Annotated[float, typer.Option(min=0, help="Sampling temperature (0 = greedy: every method writes the same text).")] = 0.0,
-    concurrency: Annotated[str, typer.Option(help="Concurrency levels for Table 4, comma-separated ('' to skip).")] = "1,4,16,64",
-    data: Annotated[Optional[list[str]], typer.Option(help="WORKLOAD=PATH_OR_HUB_ID: where a workload's data is (repeatable).")] = None,
-    force: ForceOption = False,
+    suite: Annotated[str, typer.Option(metavar="SUITE", help="general, long, agentic or all.")] = "all",
+    workload: Annotated[Optional[str], typer.Option(metavar="NAME", help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
+    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories; "
+                                               "NAME+ngram pairs a drafter with prompt lookup, NAME:fixed proposes all K every round "
+                                               "(default: bench.methods of the config, all of these).")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Episodes per workload (default: bench.limit of the config).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Most new tokens per assistant turn (default: bench.max_new_tokens).")] = None,
+    temperature: Annotated[float, typer.Option(min=0, metavar="T", help="Sampling temperature (0 = greedy: every method writes the same text).")] = 0.0,
+    concurrency: Annotated[Optional[str], typer.Option(metavar="LIST", help="Concurrency levels for Table 4, comma-separated, '' to skip (default: bench.concurrency).")] = None,
+    data: Annotated[Optional[list[str]], typer.Option(metavar="WORKLOAD=PATH", help="Where a workload's data is: a file, a directory or a hub id (repeatable).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Measure the whole plan again instead of reusing earlier measurements.")] = False,
 ) -> None:
-    """Benchmark methods side by side and write the paper's Tables 1-4, plots and summary.md (resumable)."""
+    """Benchmark methods side by side and write the paper's Tables 1-4, plots and summary.md.
+
+    Every measurement is kept under a key of what determines it, so a later plan in the same run directory
+    (another suite, more episodes, other methods) measures only what is missing; interrupted, it resumes.
+    """
     from .bench import Bench, plan_from
 
     config = _load(target, set_)
-    plan = plan_from(suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [])
-    directory = _run_dir(config, run_dir)
-    if not Bench(config, directory, plan, log).run(force=force):
-        log(f"the bench in {directory / 'bench'} is already done with this plan; tables rewritten")
+    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [])
+    Bench(config, _run_dir(config, run_dir), plan, log).run(force=force)
 
 
 @app.command()
 def profile(
     target: TargetOption = DEFAULT_TARGET,
     set_: SetOption = None,
-    contexts: Annotated[Optional[str], typer.Option(help="Context lengths, comma-separated (default: 1024,8192,32768 on a GPU, 512,2048 on a CPU).")] = None,
-    batches: Annotated[Optional[str], typer.Option(help="Batch sizes, comma-separated (default: 1,16,64 on a GPU, 1,4 on a CPU).")] = None,
-    widths: Annotated[Optional[str], typer.Option(help="Tokens per target pass, comma-separated (default: 1,2,3,4,K+1,2(K+1)).")] = None,
-    tau: Annotated[Optional[str], typer.Option(help="τ values to predict the speedup at (default: the paper's Table 3 τ).")] = None,
-    repeats: Annotated[Optional[int], typer.Option(min=1, help="Timed repeats per measurement; the median is reported (default: 15 on a GPU, 5 on a CPU).")] = None,
-    train_steps: Annotated[Optional[int], typer.Option(min=0, help="Timed training steps per stage (0 skips training; default 3).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Where to write the JSON (default: runs/<target>/profile-<device>.json).")] = None,
+    contexts: Annotated[Optional[str], typer.Option(metavar="LIST", help="Context lengths, comma-separated (default: 1024,8192,32768 on a GPU, 512,2048 on a CPU).")] = None,
+    batches: Annotated[Optional[str], typer.Option(metavar="LIST", help="Batch sizes, comma-separated (default: 1,16,64 on a GPU, 1,4 on a CPU).")] = None,
+    widths: Annotated[Optional[str], typer.Option(metavar="LIST", help="Tokens per target pass, comma-separated (default: 1,2,3,4,K+1,2(K+1)).")] = None,
+    tau: Annotated[Optional[str], typer.Option(metavar="LIST", help="τ values to predict the speedup at (default: the paper's Table 3 τ).")] = None,
+    repeats: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Timed repeats per measurement; the median is reported (default: 15 on a GPU, 5 on a CPU).")] = None,
+    train_steps: Annotated[Optional[int], typer.Option(metavar="N", min=0, help="Timed training steps per stage (0 skips training; default 3).")] = None,
+    out: Annotated[Optional[Path], typer.Option(metavar="PATH", help="Where to write the JSON (default: runs/<target>/profile-<device>.json).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON instead of the tables.")] = False,
 ) -> None:
     """Time a decode round and a training step at the target's real shapes, with random weights (no download)."""
@@ -286,14 +291,17 @@ def _numbers(option: str, text: str | None, kind):
 
 @app.command("run")
 def run_command(
-    pipeline: Annotated[str, typer.Argument(help="Pipeline name in pipelines/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path.")],
+    pipeline: Annotated[str, typer.Argument(metavar="PIPELINE", hidden=True)],  # described in the docstring: help would tag it <str>
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    first: Annotated[Optional[str], typer.Option("--from", help="Start at this stage (the earlier ones are not checked).")] = None,
-    last: Annotated[Optional[str], typer.Option("--until", help="Stop after this stage.")] = None,
+    first: Annotated[Optional[str], typer.Option("--from", metavar="STAGE", help="Start at this stage (the earlier ones are not checked).")] = None,
+    last: Annotated[Optional[str], typer.Option("--until", metavar="STAGE", help="Stop after this stage.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each stage's command line and run nothing.")] = False,
 ) -> None:
-    """Run a pipeline's stages in order, skipping finished ones and resuming a partial one; print each stage's share of the time."""
+    """Run a pipeline's stages in order, skipping finished ones and resuming a partial one; print each stage's share of the time.
+
+    PIPELINE is a name in pipelines/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path.
+    """
     from .config import load_pipeline
     from .pipeline import run_pipeline, timing_rows
 
@@ -318,21 +326,31 @@ def run_command(
 
 
 @app.command()
-def status(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None) -> None:
-    """Show each stage of a run directory: done, partial (with progress) or missing."""
+def status(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say what produced each stage: its config and target hashes, and when.")] = False,
+) -> None:
+    """Show each stage of a run directory: done, partial (with progress) or missing, its size and time."""
     from .artifacts import stage_rows
 
     directory = _run_dir(load_config(target), run_dir)
+    rows = stage_rows(directory)
     table = Table(title=f"dlite run {directory}")
-    for column in ("stage", "status", "progress", "size", "time", "produced by"):
-        table.add_column(column, no_wrap=column != "produced by")
+    for column in ("stage", "status", "progress", "size", "time"):
+        table.add_column(column, no_wrap=True, justify="right" if column in ("size", "time") else "left")
     colours = {"done": "green", "partial": "yellow", "missing": "dim"}
-    for row in stage_rows(directory):
+    for row in rows:
         status_text = f"[{colours[row['status']]}]{row['status']}[/]"
         size = _human_bytes(row["size"]) if row["size"] else ""
         seconds = f"{row['seconds']:.0f} s" if row["seconds"] is not None else ""
-        table.add_row(row["stage"], status_text, row["progress"], size, seconds, row["produced_by"])
-    Console().print(table)
+        table.add_row(row["stage"], status_text, row["progress"], size, seconds)
+    console = Console()
+    console.print(table)
+    if verbose:
+        for row in rows:
+            if row["produced_by"]:
+                console.print(f"{row['stage']}: {row['produced_by']}", markup=False)
 
 
 def _human_bytes(size: float) -> str:
@@ -348,7 +366,7 @@ def main() -> None:
     try:
         app()
     except DliteError as e:
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("interrupted; run the same command again to resume")

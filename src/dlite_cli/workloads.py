@@ -18,7 +18,6 @@ A workload none of these can supply is reported as Unavailable with the reason, 
 from __future__ import annotations
 
 import ast
-import functools
 import gzip
 import hashlib
 import json
@@ -29,7 +28,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import DliteError
-from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, is_heldout, hub_records, json_array_records, local_records
+from .hub import hub_records
+from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, Skipped, is_heldout, json_array_records, local_records
 from .wheels import wheel_file
 
 SUITES = ("general", "long", "agentic")
@@ -285,42 +285,30 @@ def select(suite: str, workload: str | None) -> list[Workload]:
 
 def load(workload: Workload, data: str | None, limit: int) -> tuple[list[Episode], str] | Unavailable:
     """The first ``limit`` episodes and where they came from, or why there are none."""
+    local_copy = f"pass --data {workload.name}=FILE with a local copy (a .jsonl, .json or .parquet file, or a directory of them)"
     try:
         if data is not None:
             hub_id = data.count("/") == 1 and not data.startswith((".", "/", "~")) and not Path(data).suffix
-            records = hub_records(data) if hub_id and not Path(data).exists() else local_records(Path(data).expanduser(), workload.name)
+            records = hub_records(data, way_out=local_copy) if hub_id and not Path(data).exists() else local_records(Path(data).expanduser(), workload.name)
             return _episodes(workload, records, limit), data
         if workload.offline is not None:
             return _take(workload.offline(), limit), workload.offline_source
         if workload.hub is None:
             return Unavailable("no public hub copy is known and it has no offline source: pass --data "
                                f"{workload.name}=FILE with records {{\"id\", \"turns\": [[{{\"role\", \"content\"}}, ...], ...]}}")
-        if (problem := hub_problem()) is not None:
-            return Unavailable(f"hub data set {workload.hub[0]} not loaded: {problem}; pass --data {workload.name}=FILE with a local copy")
-        return _episodes(workload, hub_records(*workload.hub), limit), f"hub {workload.hub[0]}"
+        return _episodes(workload, hub_records(*workload.hub, way_out=local_copy), limit), f"hub {workload.hub[0]}"
     except DliteError as e:
         return Unavailable(str(e))
 
 
-@functools.cache
-def hub_problem() -> str | None:
-    """Why the Hugging Face hub cannot be reached from here (asked once), or None if it can."""
-    import httpx
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    try:
-        httpx.head(constants.ENDPOINT, timeout=5.0)
-    except httpx.HTTPError as e:
-        return f"the hub at {constants.ENDPOINT} is not reachable ({type(e).__name__})"
-    return None
-
-
 def _episodes(workload: Workload, records, limit: int) -> list[Episode]:
+    skipped = []  # the records a reader could not parse (prompts.Skipped), for the error when none is left
+
     def convert():
         for index, record in enumerate(records):
-            if isinstance(record, dict) and workload.keep(record):
+            if isinstance(record, Skipped):
+                skipped.append(record)
+            elif isinstance(record, dict) and workload.keep(record):
                 try:
                     yield workload.episode(record, index)
                 except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -328,7 +316,8 @@ def _episodes(workload: Workload, records, limit: int) -> list[Episode]:
 
     episodes = _take(convert(), limit)
     if not episodes:
-        raise DliteError(f"no {workload.name} records found")
+        unreadable = f": {len(skipped)} unreadable, the first because {skipped[0].reason}" if skipped else ""
+        raise DliteError(f"no {workload.name} records found{unreadable}")
     return episodes
 
 
