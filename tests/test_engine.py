@@ -243,9 +243,9 @@ def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_d
         assert torch.allclose(keys[layer][:, :, :length], k, atol=1e-4)
         assert torch.allclose(values[layer][:, :, :length], v, atol=1e-4)
     # and drafting from the cache is drafting from the whole history at once (the training path)
-    context, embeds = request.pivot[None], model.get_input_embeddings()(torch.tensor([request.anchor], device=DEVICE))
+    context, group, embed = request.pivot[None], torch.tensor([[request.anchor]], device=DEVICE), model.get_input_embeddings()
     at_once = proposer.drafter.history(features.flatten(1)[None], torch.ones(1, length, dtype=torch.bool, device=DEVICE), torch.tensor([request.position], device=DEVICE))
-    assert torch.allclose(proposer.drafter.hidden(context, embeds, proposer._history([request])), proposer.drafter.hidden(context, embeds, at_once), atol=1e-4)
+    assert torch.allclose(proposer.drafter.hidden(context, group, embed, proposer._history([request])), proposer.drafter.hidden(context, group, embed, at_once), atol=1e-4)
 
 
 def test_eos_stop_strings_and_budget(micro, prompts, reference):

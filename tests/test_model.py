@@ -36,6 +36,8 @@ def sequence_of(target, ids, prompt_len=3):
 def test_select_layers_keeps_first_and_last():
     assert select_layers(36, 12)[0] == 0 and select_layers(36, 12)[-1] == 35 and len(select_layers(36, 12)) == 12
     assert select_layers(30, 6) == [0, 6, 12, 17, 23, 29]
+    # the public release's rule for 12 of Qwen3-4B's 36 layers, its last one final-normed (id L = 36)
+    assert select_layers(36, 12, "release") == [0, 1, 5, 8, 12, 16, 19, 23, 27, 30, 34, 36]
     with pytest.raises(DliteError, match="between 2 and"):
         select_layers(4, 5)
 
@@ -47,11 +49,11 @@ def test_shapes(target, window, options):
     sequence = sequence_of(target, list(range(10, 40)))
     anchors = torch.tensor([5, 12, 28])
     batch = anchor_batch(sequence, anchors, K, window).to(DEVICE)
-    embeds = target.get_input_embeddings()(batch.anchor)
-    logits = drafter(batch.context, embeds, batch.previous, **batch.history)
+    embed = target.get_input_embeddings()
+    logits = drafter(batch.context, batch.tokens, embed, batch.previous, **batch.history)
     assert logits.shape == (3, K, target.config.vocab_size)
     history = drafter.history(**batch.history) if window != 0 else None
-    tokens, draft_logits, confidence = drafter.draft(batch.context, embeds, batch.anchor, history)
+    tokens, draft_logits, confidence = drafter.draft(batch.context, batch.tokens, embed, history)
     assert tokens.shape == (3, K) and torch.equal(tokens, draft_logits.argmax(-1))
     assert batch.valid.tolist()[2] == [True, False, False, False]  # anchor 28 of 30 tokens has one label
     assert ("history_fuse.weight" in drafter.state_dict()) == (window != 0)
@@ -70,8 +72,7 @@ def test_w0_is_history_free_and_the_teacher_is_not(target):
         drafter = make(target, window).to(DEVICE)
         for label, sequence in (("original", original), ("changed", changed)):
             batch = anchor_batch(sequence, anchor, K, window).to(DEVICE)
-            embeds = target.get_input_embeddings()(batch.anchor)
-            outputs[window, label] = drafter(batch.context, embeds, batch.previous, **batch.history)
+            outputs[window, label] = drafter(batch.context, batch.tokens, target.get_input_embeddings(), batch.previous, **batch.history)
     assert torch.equal(outputs[0, "original"], outputs[0, "changed"])
     assert not torch.allclose(outputs[FULL_HISTORY, "original"], outputs[FULL_HISTORY, "changed"])
 
@@ -132,9 +133,9 @@ def test_a_reduced_draft_vocabulary_scores_only_its_tokens_and_is_saved(target, 
     drafter.set_draft_vocab(vocabulary)
     sequence = sequence_of(target, list(range(10, 40)))
     batch = anchor_batch(sequence, torch.tensor([5, 12, 20]), K, 0).to(DEVICE)
-    embeds = target.get_input_embeddings()(batch.anchor)
-    assert drafter(batch.context, embeds, batch.previous).shape == (3, K, 40)
-    tokens, logits, confidence = drafter.draft(batch.context, embeds, batch.anchor)
+    embed = target.get_input_embeddings()
+    assert drafter(batch.context, batch.tokens, embed, batch.previous).shape == (3, K, 40)
+    tokens, logits, confidence = drafter.draft(batch.context, batch.tokens, embed)
     assert torch.equal(tokens, drafter.draft_ids[logits.argmax(-1)]) and ((tokens >= 300) & (tokens < 340)).all()
     assert torch.allclose(confidence, torch.softmax(logits, -1).max(-1).values) and (confidence > 0).all()
     full = drafter.full_vocab_logits(logits)

@@ -210,8 +210,9 @@ def stage_rows(run_dir: Path) -> list[dict]:
         if manifest is not None:
             row["status"] = "done" if manifest["status"] == "done" else "partial"
             progress = manifest.get("progress")
-            if progress:
-                row["progress"] = f"{progress['done']}/{progress['total']} {progress['unit']}"
+            if progress:  # a finished stage counts all (manifests written before finish() said so may lag)
+                done = progress["total"] if manifest["status"] == "done" else progress["done"]
+                row["progress"] = f"{done}/{progress['total']} {progress['unit']}"
             when = (manifest.get("finished") or manifest["started"])[:16].replace("T", " ")
             row["produced_by"] = f"config {manifest['config_hash'][:8]} target {manifest['inputs'].get('target', '?')[:8]} {when}"
             row["seconds"] = manifest["elapsed_s"]

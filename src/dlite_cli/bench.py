@@ -37,7 +37,7 @@ from pathlib import Path
 from .artifacts import Stage, atomic_path, atomic_write_json, atomic_write_text, fingerprint_dir, read_json
 from .config import BenchConfig, Config, config_hash
 from .devices import hardware
-from .drafters import load_proposer, resolve_drafter_path, split_fixed
+from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .progress import progress_bar
@@ -158,7 +158,7 @@ class Bench:
     def _load_methods(self, model, width: int) -> dict[str, str]:
         """An engine per method of the plan (and ar:fastest beside padded plain decoding) → the methods that could
         not be loaded, with the reason."""
-        self.engines, self.drafters, self.fingerprints = {}, {}, {}
+        self.engines, self.drafters, self.fingerprints, self.origins = {}, {}, {}, {}
         unavailable, proposers = {}, {}
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
@@ -173,9 +173,11 @@ class Bench:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
                 if base in ("none", "ngram"):
                     self.drafters[method] = self.fingerprints[method] = name
+                    self.origins[method] = "no checkpoint"
                 else:
                     directory = resolve_drafter_path(base, self.stage.dir.parent)
                     self.drafters[method], self.fingerprints[method] = str(directory), fingerprint_dir(directory)
+                    self.origins[method] = drafter_origin(directory)
             except DliteError as e:
                 unavailable[method] = str(e)
         # Methods share a runner where their drafters read the same target layers (those that read none
@@ -223,6 +225,7 @@ class Bench:
                                     text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
                     work.append((name, episode, source, method, key))
         missing = [item for item in work if item[-1] not in stored]
+        self.stage.update(progress={"done": len(work) - len(missing), "total": len(work), "unit": "episode runs"})
         with progress_bar("bench episodes", total=len(work), completed=len(work) - len(missing)) as bar:
             for done, (name, episode, source, method, key) in enumerate(missing, len(work) - len(missing) + 1):
                 self._warm_up()
@@ -232,7 +235,8 @@ class Bench:
                 append_line(self.results, stored[key])
                 bar.update(advance=1, description=f"bench {name}")
                 self.stage.update(progress={"done": done, "total": len(work), "unit": "episode runs"})
-        return [stored[item[-1]] for item in work], len(missing)
+        # each with its checkpoint's origin as it is now (a stored key pins the checkpoint's bytes)
+        return [{**stored[key], "origin": self.origins[method]} for _, _, _, method, key in work], len(missing)
 
     def _replay(self, engine: Engine, episode: Episode) -> list[dict]:
         """Decode every assistant turn of ``episode``, the context growing turn by turn."""

@@ -33,7 +33,8 @@ SetOption = Annotated[
     Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a config value: section.key=value (repeatable).")
 ]
 DrafterOption = Annotated[
-    str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), ngram, none, or a drafter directory; "
+    str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), ngram, none, a drafter directory "
+                           "(dlite's, or the public DLite release's format) or a hub id; "
                            "NAME+ngram adds prompt lookup, NAME:fixed proposes all K tokens every round.")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
@@ -214,7 +215,7 @@ def bench(
     set_: SetOption = None,
     suite: Annotated[str, typer.Option(metavar="SUITE", help="general, long, agentic or all.")] = "all",
     workload: Annotated[Optional[str], typer.Option(metavar="NAME", help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
-    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated: ar, dlite, history, parallel, scratch, ngram or drafter directories; "
+    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated: ar, dlite, history, parallel, scratch, ngram, drafter directories or hub ids; "
                                                "NAME+ngram pairs a drafter with prompt lookup, NAME:fixed proposes all K every round "
                                                "(default: bench.methods of the config, all of these).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Episodes per workload (default: bench.limit of the config).")] = None,
@@ -234,6 +235,34 @@ def bench(
     config = _load(target, set_)
     plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [])
     Bench(config, _run_dir(config, run_dir), plan, log).run(force=force)
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Option(metavar="DIR", help="The directory to write (replaced if it exists).")],
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    drafter: Annotated[str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), a drafter directory or a hub id.")] = "dlite",
+    format_: Annotated[str, typer.Option("--format", metavar="FORMAT", help="dlite_v1: the public DLite release's DLiteDraftModel.")] = "dlite_v1",
+) -> None:
+    """Write a drafter in the public DLite release's format, for its engine and the tools built on it.
+
+    The drafter must use the release's conventions (the Qwen3 configs train in them); one that uses a
+    dlite-only option (learned placeholders, a reduced draft vocabulary, ...) is refused with the reason.
+    """
+    from .drafters import drafter_origin, resolve_drafter_path
+    from .model import Drafter
+    from .release import ARCHITECTURE_VERSION, export_release
+    from .targets import load_target_config, prepare_target
+
+    if format_ != ARCHITECTURE_VERSION:
+        raise DliteError(f"unknown export format {format_!r}: expected {ARCHITECTURE_VERSION}")
+    config = _load(target, set_)
+    directory = resolve_drafter_path(drafter, _run_dir(config, run_dir))
+    target_config = load_target_config(prepare_target(config.target, log))
+    export_release(Drafter.load(directory, target_config), target_config, out, str(directory), drafter_origin(directory))
+    log(f"wrote {directory} in the {ARCHITECTURE_VERSION} format to {out}")
 
 
 @app.command()

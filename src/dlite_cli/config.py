@@ -130,6 +130,12 @@ class DrafterConfig:
     # The head scores only the N most frequent tokens of the training responses (EAGLE-3's reduced
     # vocabulary); a token outside them is never proposed.  0 = the target's whole vocabulary.
     draft_vocab: int = non_negative(0)
+    # Conventions (model.py, release.py).  dlite's own, or those of the public DLite release (DAI-System/DLite,
+    # "dlite_v1"), which `dlite export --format dlite_v1` needs: layers release, context_position 0, a mask token.
+    layers: Literal["even", "release"] = "even"  # release: 0, 1, evenly spaced, L−2 and the final-normed last layer
+    context_position: int = _checked(-1, check=lambda v: v in (-1, 0), says="be -1 (the pivot before the anchor) or 0 (the release's)")
+    mask_token_id: int = _checked(-1, check=lambda v: v >= -1, says="be -1 (learned placeholders) or a token id")
+    anchor_group: int = positive(1)  # G: the anchor and the G − 1 tokens before it are real-token queries
 
 
 @dataclass

@@ -22,6 +22,7 @@ elsewhere; neither keeps a draft KV cache).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
 from .devices import now
 from .errors import DliteError
 from .graphs import BUCKETS, CudaGraphs, bucket_for
+from .hub import from_hub, is_hub_id
 from .model import FULL_HISTORY, Drafter, History, greedy_pick
+from .release import is_release
 
 # drafter names → the run-directory stage whose export they load
 STAGE_OF = {"dlite": "stable", "history": "train-teacher", "parallel": "stable-parallel", "scratch": "stable-scratch"}
@@ -204,35 +207,36 @@ class DLiteAdapter(ModelDrafter):
         self.graphs = CudaGraphs(enabled=graphs)
 
     def _model_draft(self, rows, pick) -> Draft:
-        context, anchors = self._inputs(rows)
+        context, group = self._inputs(rows)
         if self.graphs.enabled and pick is greedy_pick:
             B = len(rows)
             rows_padded = [*range(B), *[0] * (bucket_for(B, max(B, BUCKETS[-1])) - B)]
-            tokens, logits, confidence = self.graphs.run(len(rows_padded), self._block, context[rows_padded], anchors[rows_padded])
+            tokens, logits, confidence = self.graphs.run(len(rows_padded), self._block, context[rows_padded], group[rows_padded])
             tokens, logits, confidence = tokens[:B], logits[:B], confidence[:B]
         else:
-            tokens, logits, confidence = self._block(context, anchors, pick, self._history(rows))
+            tokens, logits, confidence = self._block(context, group, pick, self._history(rows))
         logits = None if pick is greedy_pick else self.drafter.full_vocab_logits(logits)
         return Draft(tokens, [self.draft_tokens] * len(rows), logits, confidence)
 
     def _inputs(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' pivot features (B, S, H) in the drafter's dtype and anchors (B,), on its device."""
-        return torch.stack([row.pivot for row in rows]).to(self._dtype), torch.tensor([row.anchor for row in rows], device=self._device)
+        """The rows' pivot features (B, S, H) in the drafter's dtype and anchor groups (B, G) (the anchor last), on its device."""
+        group = [row.last_tokens(self.drafter.spec.anchor_group) for row in rows]
+        return torch.stack([row.pivot for row in rows]).to(self._dtype), torch.tensor(group, device=self._device)
 
-    def _block(self, context, anchors, pick=greedy_pick, history: History | None = None):
-        """context (B, S, H), anchors (B,) → draft tokens (B, K), logits (B, K, V'), confidence (B, K)."""
-        return self.drafter.draft(context, self.embed(anchors).to(self._dtype), anchors, history, pick)
+    def _block(self, context, group, pick=greedy_pick, history: History | None = None):
+        """context (B, S, H), anchor groups (B, G) → draft tokens (B, K), logits (B, K, V'), confidence (B, K)."""
+        return self.drafter.draft(context, group, self.embed, history, pick)
 
     def _history(self, rows) -> History | None:
         return None
 
     @property
     def _device(self) -> torch.device:
-        return self.drafter.placeholders.device
+        return self.drafter.norm.weight.device
 
     @property
     def _dtype(self) -> torch.dtype:
-        return self.drafter.placeholders.dtype
+        return self.drafter.norm.weight.dtype
 
 
 class HybridDrafter(NoDrafter):
@@ -372,18 +376,32 @@ def split_fixed(name: str) -> tuple[str, bool]:
 
 
 def resolve_drafter_path(name: str, run_dir: Path) -> Path:
-    """``dlite``/``history``/``parallel``/``scratch`` → the run directory's export; anything else is a path."""
+    """``dlite``/``history``/``parallel``/``scratch`` → the run directory's export; a hub id → its local snapshot;
+    anything else is a path (a dlite export, or a checkpoint in the public release's format)."""
     name = name.removesuffix(HYBRID_SUFFIX)
     if name in STAGE_OF:
         path = Path(run_dir) / STAGE_OF[name] / "drafter"
         if not (path / "config.json").is_file():
             raise DliteError(f"no {name} drafter in {run_dir}: {path} does not exist (train the `{STAGE_OF[name]}` stage first, or pass a path)")
         return path
+    if is_hub_id(name):
+        from huggingface_hub import snapshot_download
+
+        local = "pass a local copy of it as a directory instead, or point HF_HOME at a cache that holds it and set HF_HUB_OFFLINE=1"
+        return Path(from_hub(lambda repo, **only: snapshot_download(repo, **only), name, f"the drafter {name}", local))
     path = Path(name)
     if not path.is_dir():
-        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, {', '.join(STAGE_OF)} or an exported drafter directory "
-                         f"(any of the last two may end in {HYBRID_SUFFIX} or {FIXED_SUFFIX})")
+        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, {', '.join(STAGE_OF)}, a drafter directory or a hub id "
+                         f"(any of the last three may end in {HYBRID_SUFFIX} or {FIXED_SUFFIX})")
     return path
+
+
+def drafter_origin(directory: Path) -> str:
+    """What made a checkpoint, for the bench's tables: the dlite stage that trained it (also kept through an export
+    in the release's format), ``release`` for the public release's own, ``unknown`` for an export that does not say."""
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    stage = Path(directory).parent.name
+    return raw.get("origin") or ("release" if is_release(raw) else stage if stage in STAGE_OF.values() else "unknown")
 
 
 def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager"):

@@ -123,6 +123,11 @@ class Request:
     def anchor(self) -> int:
         return self.output_ids[-1]
 
+    def last_tokens(self, count: int) -> list[int]:
+        """The last ``count`` tokens, the anchor last (the first one repeated where the sequence is shorter)."""
+        tail = (self.prompt_ids[-count:] + self.output_ids[-count:])[-count:]
+        return [tail[0]] * (count - len(tail)) + tail
+
     @property
     def position(self) -> int:
         """The anchor's absolute position (the tokens before it are in the target's cache)."""

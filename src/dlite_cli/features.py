@@ -47,13 +47,14 @@ class Sequence:
 
 
 class LayerCapture:
-    """Forward hooks that keep the outputs of the target's decoder layers ``layer_ids`` during one pass."""
+    """Forward hooks that keep the outputs of the target's decoder layers ``layer_ids`` during one pass
+    (id L, one past the last layer: the final norm's output)."""
 
     def __init__(self, model, layer_ids: list[int]):
         self.layer_ids = layer_ids
         self.outputs: dict[int, torch.Tensor] = {}
-        layers = model.model.layers
-        self.handles = [layers[i].register_forward_hook(self._keep(i)) for i in layer_ids]
+        modules = [*model.model.layers, model.model.norm]
+        self.handles = [modules[i].register_forward_hook(self._keep(i)) for i in layer_ids]
 
     def _keep(self, index: int):
         def hook(module, args, output):

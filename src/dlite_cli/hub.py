@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 from typing import Iterator
 
 from .errors import DliteError
 
 LOCAL_TARGET = ("pass a local checkpoint with --set target.model=DIR, or point HF_HOME (or HF_HUB_CACHE) at a cache "
                 "that holds it and set HF_HUB_OFFLINE=1")
+
+
+def is_hub_id(text: str) -> bool:
+    """``owner/name`` that is not a local path."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).expanduser().exists()
 
 
 @functools.cache

@@ -8,11 +8,14 @@ One draft round (DESIGN.md §1), for a batch of B anchors, K draft tokens, S tar
     history   (T, S·H)   per-position target features of earlier tokens (W ≠ 0 only)
       → RMSNorm(W_fuse ·) → per-layer keys/values at absolute positions (the draft KV cache,
         built once per position), masked to the last W positions before the pivot
-    queries   (B, 1+K, H) the anchor's embedding (the target's frozen table, passed in) + K placeholders
+    queries   (B, G+K, H) the anchor group's embeddings (the target's frozen table, passed in: G − 1 tokens
+              before the anchor, then the anchor; G = 1 by default) + K placeholders (learned, or the
+              target's embedding of a mask token)
       → N decoder layers of the target's family: queries attend bidirectionally to each other and to
         the context slots, which supply keys/values at every layer through that layer's projections.
-        Positions are local: pivot −1, anchor 0, placeholders 1..K; with history the block is
-        shifted to the anchor's absolute position a (RoPE is relative, so only t − a matters).
+        Positions are local: the group 0..G−1, placeholders G..G+K−1, the context slots at −1 (the
+        pivot; 0 in the public release's convention); with history the block is shifted to the
+        anchor's absolute position a (RoPE is relative, so only t − a matters).
       → final RMSNorm → h_1..h_K (B, K, H)
     head      low-rank gated RNN over the K positions (R = head_rank):
                 s_i = g ⊙ s_{i−1} + (1 − g) ⊙ tanh(c),  [g, c] = W_g [s_{i−1}; E_R(x_{i−1})]
@@ -42,11 +45,17 @@ FULL_HISTORY = -1  # history_window value of the history-aware teacher: every ea
 SUPPORTED_FAMILIES = ("llama", "qwen3")
 
 
-def select_layers(num_layers: int, count: int) -> list[int]:
-    """``count`` target layer ids: the first, the last and evenly spaced ones between (0-based)."""
+def select_layers(num_layers: int, count: int, rule: str = "even") -> list[int]:
+    """``count`` target feature ids (id k < L: the output of decoder layer k; id L: the final-normed output of the
+    last layer, Hugging Face's last hidden state).  even: the first, the last and evenly spaced ones between;
+    release: the public DLite release's — 0, the last (final-normed), and evenly spaced ones from 1 to L − 2."""
     if not 2 <= count <= num_layers:
         raise DliteError(f"drafter.num_target_layers must be between 2 and the target's {num_layers} layers, got {count}")
-    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+    if rule == "even":
+        return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+    middle = count - 2
+    between = {1 + round((0.5 if middle == 1 else i / (middle - 1)) * (num_layers - 3)) for i in range(middle)}
+    return sorted({0, num_layers} | between)
 
 
 @dataclass
@@ -57,7 +66,7 @@ class DrafterSpec:
     hidden_size: int
     vocab_size: int
     target_num_layers: int
-    target_layer_ids: list[int]  # S ids; id k is the output of the target's decoder layer k
+    target_layer_ids: list[int]  # S ids; id k < L is the output of the target's decoder layer k, id L its final-normed output
     draft_tokens: int  # K
     num_layers: int  # N
     head_rank: int  # R
@@ -71,6 +80,14 @@ class DrafterSpec:
     rms_norm_eps: float
     rope_theta: float
     draft_vocab_size: int = 0  # N: the head scores only N target tokens (0 = all V)
+    # The query block: G real tokens (the anchor last, G − 1 before it) at local positions 0..G−1, then K
+    # placeholders at G..G+K−1; the context slots at ``context_position``.  With G > 1 the sequential head's
+    # state is first advanced on the token before the anchor.  Placeholders are learned vectors, or (mask_token_id
+    # ≥ 0) the target's embedding of that token.  dlite's own: G 1, context −1, learned; the release's: context 0,
+    # the mask token (release.py).
+    anchor_group: int = 1
+    context_position: int = -1
+    mask_token_id: int = -1
 
     @classmethod
     def for_target(cls, target_config, drafter, history_window: int) -> "DrafterSpec":
@@ -86,7 +103,7 @@ class DrafterSpec:
             hidden_size=target_config.hidden_size,
             vocab_size=target_config.vocab_size,
             target_num_layers=target_config.num_hidden_layers,
-            target_layer_ids=select_layers(target_config.num_hidden_layers, drafter.num_target_layers),
+            target_layer_ids=select_layers(target_config.num_hidden_layers, drafter.num_target_layers, drafter.layers),
             draft_tokens=drafter.draft_tokens,
             num_layers=drafter.num_layers,
             head_rank=drafter.head_rank,
@@ -100,6 +117,9 @@ class DrafterSpec:
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
             draft_vocab_size=drafter.draft_vocab if drafter.draft_vocab < target_config.vocab_size else 0,
+            anchor_group=drafter.anchor_group,
+            context_position=drafter.context_position,
+            mask_token_id=drafter.mask_token_id,
         )
 
     def check_fits(self, target_config, where: str) -> None:
@@ -113,8 +133,10 @@ class DrafterSpec:
         for key, value in expected.items():
             if getattr(self, key) != value:
                 raise DliteError(f"drafter {where} does not fit the target: its {key} is {getattr(self, key)}, the target's is {value}")
-        if not all(0 <= i < target_config.num_hidden_layers for i in self.target_layer_ids):
+        if not all(0 <= i <= target_config.num_hidden_layers for i in self.target_layer_ids):
             raise DliteError(f"drafter {where} reads target layers {self.target_layer_ids}, beyond the target's {target_config.num_hidden_layers}")
+        if self.mask_token_id >= target_config.vocab_size:
+            raise DliteError(f"drafter {where}'s mask token {self.mask_token_id} is beyond the target's vocabulary of {target_config.vocab_size}")
 
 
 def rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,17 +259,26 @@ class Head(nn.Module):
         self.latent = nn.Linear(rank + hidden_size, rank)  # [s; h] → u
         self.vocab = nn.Linear(rank, len(self.draft_ids), bias=False)  # W_V, the one vocabulary projection
 
+    def _advance(self, state, previous):
+        """The recurrent state after reading ``previous`` tokens (B,): state (B, R) → (B, R)."""
+        g, c = self.gate(torch.cat([state, self.token_embedding(previous)], dim=-1)).chunk(2, dim=-1)
+        g = torch.sigmoid(g)
+        return g * state + (1 - g) * torch.tanh(c)
+
     def step(self, state, h, previous):
         """One position: state (B, R), h (B, H), previous tokens (B,) → (new state, logits (B, V))."""
         if self.recurrent:
-            g, c = self.gate(torch.cat([state, self.token_embedding(previous)], dim=-1)).chunk(2, dim=-1)
-            g = torch.sigmoid(g)
-            state = g * state + (1 - g) * torch.tanh(c)
+            state = self._advance(state, previous)
         return state, self.vocab(self.latent(torch.cat([state, h], dim=-1)))
 
-    def forward(self, h, previous):
-        """Teacher-forced: h (B, K, H), previous (B, K) = [anchor, y_1..y_{K−1}] → logits (B, K, V)."""
+    def initial_state(self, h, seed):
+        """The state before the first position: zeros, or advanced once on ``seed`` (B,) (the token before the anchor)."""
         state = h.new_zeros(h.shape[0], self.rank)
+        return self._advance(state, seed) if seed is not None and self.recurrent else state
+
+    def forward(self, h, previous, seed=None):
+        """Teacher-forced: h (B, K, H), previous (B, K) = [anchor, y_1..y_{K−1}] → logits (B, K, V)."""
+        state = self.initial_state(h, seed)
         if not self.recurrent:
             return self.vocab(self.latent(torch.cat([state[:, None].expand(-1, h.shape[1], -1), h], dim=-1)))
         logits = []
@@ -257,11 +288,11 @@ class Head(nn.Module):
         return torch.stack(logits, dim=1)
 
     @torch.no_grad()
-    def free_running(self, h, anchor, pick=greedy_pick):
+    def free_running(self, h, anchor, pick=greedy_pick, seed=None):
         """Draft left to right: h (B, K, H), anchor (B,); ``pick(logits (B, V')) → draft indices (B,)``
         chooses each token (argmax, or a sample) and feeds it to the next step → target token ids (B, K),
         logits (B, K, V') and the probability the head gave each chosen token (B, K)."""
-        state, previous = h.new_zeros(h.shape[0], self.rank), anchor
+        state, previous = self.initial_state(h, seed), anchor
         tokens, logits, confidence = [], [], []
         for i in range(h.shape[1]):
             state, step_logits = self.step(state, h[:, i], previous)
@@ -285,7 +316,8 @@ class Drafter(nn.Module):
         if spec.history_window != 0:
             self.history_fuse = nn.Linear(S * H, H, bias=False)
             self.history_norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
-        self.placeholders = nn.Parameter(torch.randn(K, H) * 0.02)
+        if spec.mask_token_id < 0:
+            self.placeholders = nn.Parameter(torch.randn(K, H) * 0.02)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = nn.RMSNorm(H, eps=spec.rms_norm_eps)
         self.head = Head(H, spec.head_rank, spec.vocab_size, spec.draft_vocab_size, recurrent=spec.sequential_head)
@@ -354,55 +386,79 @@ class Drafter(nn.Module):
         """A History from raw features (1, T, S·H) of one sequence shared by B anchors (training)."""
         return History(self.history_kv(features), mask, anchors)
 
-    def hidden(self, context, anchor_embeds, history: History | None = None):
-        """The backbone's K outputs: context (B, S, H) target states at each anchor's pivot;
-        anchor_embeds (B, H); history for W ≠ 0 → h (B, K, H)."""
-        B, K = context.shape[0], self.spec.draft_tokens
-        device = context.device
+    def hidden(self, context, tokens, embed, history: History | None = None):
+        """The backbone's K outputs: context (B, S, H) target states at each anchor's pivot; tokens (B, G) the
+        anchor group (the anchor last); ``embed`` the target's input embedding; history for W ≠ 0 → h (B, K, H)."""
+        spec = self.spec
+        B, G, K = tokens.shape[0], spec.anchor_group, spec.draft_tokens
+        device, dtype = context.device, self.norm.weight.dtype
         slots = self.context_slots(context)
-        shift = history.anchors[:, None] if history is not None else torch.zeros(B, 1, dtype=torch.long, device=device)
-        query_positions = shift + torch.arange(K + 1, device=device)
-        slot_positions = (shift - 1).expand(-1, slots.shape[1])  # the pivot
+        # local positions start at the group's first token (the history's absolute positions when W ≠ 0)
+        origin = history.anchors[:, None] - (G - 1) if history is not None else torch.zeros(B, 1, dtype=torch.long, device=device)
+        query_positions = origin + torch.arange(G + K, device=device)
+        slot_positions = (origin + spec.context_position).expand(-1, slots.shape[1])
         mask = None
         if history is not None:
-            visible_rest = torch.ones(B, slots.shape[1] + K + 1, dtype=torch.bool, device=device)
+            visible_rest = torch.ones(B, slots.shape[1] + G + K, dtype=torch.bool, device=device)
             mask = torch.cat([history.mask, visible_rest], dim=1)[:, None, None, :]
-        x = torch.cat([anchor_embeds[:, None], self.placeholders.expand(B, -1, -1)], dim=1)
-        rope_q = rope(query_positions, self.spec.head_dim, self.spec.rope_theta)
-        rope_slots = rope(slot_positions, self.spec.head_dim, self.spec.rope_theta)
+        with torch.no_grad():  # the target's table is frozen, whatever its requires_grad says
+            embedded = embed(tokens).to(dtype)
+            if spec.mask_token_id >= 0:
+                placeholders = embed(torch.full((B, K), spec.mask_token_id, device=tokens.device)).to(dtype)
+        if spec.mask_token_id < 0:
+            placeholders = self.placeholders.expand(B, -1, -1)
+        x = torch.cat([embedded, placeholders], dim=1)
+        rope_q = rope(query_positions, spec.head_dim, spec.rope_theta)
+        rope_slots = rope(slot_positions, spec.head_dim, spec.rope_theta)
         for index, layer in enumerate(self.layers):
             x = layer(x, slots, rope_q, rope_slots, history.kv[index] if history is not None else None, mask)
-        return self.norm(x[:, 1:])
+        return self.norm(x[:, G:])
 
-    def forward(self, context, anchor_embeds, previous, **history):
-        """Teacher-forced logits (B, K, V); previous (B, K) = [anchor, y_1..y_{K−1}].  W ≠ 0 (training):
-        ``history`` holds Drafter.history's arguments, turned into the draft KV cache inside forward."""
-        return self.head(self.hidden(context, anchor_embeds, self.history(**history) if history else None), previous)
+    def _seed(self, tokens):
+        """The token before the anchor (B,), which primes the sequential head's state when G > 1; else None."""
+        return tokens[:, -2] if self.spec.anchor_group > 1 else None
+
+    def forward(self, context, tokens, embed, previous, **history):
+        """Teacher-forced logits (B, K, V); tokens (B, G) the anchor group; previous (B, K) = [anchor, y_1..y_{K−1}].
+        W ≠ 0 (training): ``history`` holds Drafter.history's arguments, turned into the draft KV cache inside forward."""
+        h = self.hidden(context, tokens, embed, self.history(**history) if history else None)
+        return self.head(h, previous, self._seed(tokens))
 
     @torch.no_grad()
-    def draft(self, context, anchor_embeds, anchor, history: History | None = None, pick=greedy_pick):
-        """A draft block: → tokens (B, K), logits (B, K, V'), confidence (B, K); ``pick`` chooses each token
-        (default argmax) from logits over the draft vocabulary."""
-        return self.head.free_running(self.hidden(context, anchor_embeds, history), anchor, pick)
+    def draft(self, context, tokens, embed, history: History | None = None, pick=greedy_pick):
+        """A draft block after the anchor group ``tokens`` (B, G): → tokens (B, K), logits (B, K, V'), confidence (B, K);
+        ``pick`` chooses each token (default argmax) from logits over the draft vocabulary."""
+        h = self.hidden(context, tokens, embed, history)
+        return self.head.free_running(h, tokens[:, -1], pick, self._seed(tokens))
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, directory: Path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` (the target's embeddings are not included)."""
+    def save(self, directory: Path, origin: str = "") -> None:
+        """Write ``config.json`` + ``model.safetensors`` (the target's embeddings are not included); ``origin``
+        names what made it (the training stage), for the bench's tables."""
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps({"architectures": ["DLiteDrafter"], **asdict(self.spec)}, indent=2))
+        config = {"architectures": ["DLiteDrafter"], **asdict(self.spec), **({"origin": origin} if origin else {})}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
         save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, directory / "model.safetensors")
 
     @classmethod
     def load(cls, directory: Path, target_config=None) -> "Drafter":
+        """A dlite checkpoint, or one in the public release's format (release.py), checked against ``target_config``."""
         from safetensors.torch import load_file
+
+        from .release import is_release, load_release, spec_from_release
 
         config_path = Path(directory) / "config.json"
         if not config_path.is_file():
             raise DliteError(f"{directory} is not a drafter checkpoint: it has no config.json")
         raw = json.loads(config_path.read_text())
+        if is_release(raw):
+            spec = spec_from_release(raw, str(directory))
+            if target_config is not None:
+                spec.check_fits(target_config, str(directory))
+            return load_release(directory, spec)
         names = {f.name for f in fields(DrafterSpec)}
         missing = {f.name for f in fields(DrafterSpec) if f.default is MISSING} - set(raw)
         if missing:

@@ -46,7 +46,8 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
     for record in results:
         group = groups.setdefault((record["workload"], record["method"]), {
             "rounds": 0, "committed": 0, "tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
-            "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"], "draft_kv_bytes": 0,
+            "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"],
+            "origin": record.get("origin", ""), "draft_kv_bytes": 0,
         })
         group["episodes"] += 1
         for turn in record["turns"]:
@@ -77,7 +78,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             "prefill_s": g["prefill_s"],
             "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
             "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
-            "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"],
+            "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"], "origin": g["origin"],
             "draft_kv_bytes": g["draft_kv_bytes"],
         }
     return out
@@ -138,7 +139,7 @@ def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
     return f"{text} (synthetic)" if source.startswith("synthetic") else text
 
 
-ROW_KEYS = ["target", "method", "drafter", "hardware"]
+ROW_KEYS = ["target", "method", "drafter", "origin", "hardware"]  # origin: release, or the stage that trained the checkpoint
 
 
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
@@ -159,7 +160,7 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
         columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
         table = Table(name, title, columns)
         for method in methods:
-            row = {"target": target, "method": method, "drafter": _drafter_of(stats, method), "hardware": hardware}
+            row = {"target": target, "method": method, "drafter": _of(stats, method, "drafter"), "origin": _of(stats, method, "origin"), "hardware": hardware}
             for w in workloads:
                 cell = stats.get((w, method))
                 for m in metrics:
@@ -171,7 +172,8 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
                 for paper_method, values in by_method.items():
                     row = next((r for r in table.rows if r.get("_paper") == (model, paper_method)), None)
                     if row is None:
-                        row = {"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "hardware": paper_hardware, "_paper": (model, paper_method)}
+                        row = {"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "origin": "paper", "hardware": paper_hardware,
+                               "_paper": (model, paper_method)}
                         table.rows.append(row)
                     for w, value in zip(workloads, values):
                         row[f"{BY_NAME[w].title} {metric if len(metrics) > 1 else ''}".strip()] = _cell(value)
@@ -190,14 +192,15 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
     ar = {r["concurrency"]: r["tokens_per_s"] for r in throughput if r["method"] == "ar"}
     for r in throughput:
         speedup = r["tokens_per_s"] / ar[r["concurrency"]] if r["concurrency"] in ar else None
-        table.rows.append({"target": target, "method": r["method"], "drafter": _drafter_of(stats, r["method"]), "hardware": hardware,
+        table.rows.append({"target": target, "method": r["method"], "drafter": _of(stats, r["method"], "drafter"),
+                           "origin": _of(stats, r["method"], "origin"), "hardware": hardware,
                            "workload": BY_NAME[r["workload"]].title, "concurrency": r["concurrency"],
                            "tokens/s": _cell(r["tokens_per_s"], 1), "speedup": _cell(speedup)})
     for model, by_workload in (paper.get("table4_throughput") or {}).items():
         for workload, by_method in by_workload.items():
             for paper_method, levels in by_method.items():
                 for level, cell in levels.items():
-                    table.rows.append({"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "hardware": paper_hardware,
+                    table.rows.append({"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "origin": "paper", "hardware": paper_hardware,
                                        "workload": BY_NAME[workload].title, "concurrency": level,
                                        "tokens/s": _cell(cell.get("tps"), 0), "speedup": _cell(cell.get("speedup"))})
     table.notes.append("tokens/s over the whole batch, prefill included; every slot serves two requests")
@@ -205,8 +208,9 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
     return tables
 
 
-def _drafter_of(stats: dict, method: str) -> str:
-    return next((s["drafter"] for (w, m), s in stats.items() if m == method), method)
+def _of(stats: dict, method: str, key: str) -> str:
+    """A method's ``key`` (drafter, origin) from any of its workloads; the method's name if none was measured."""
+    return next((s[key] for (w, m), s in stats.items() if m == method), method)
 
 
 # ---------------------------------------------------------------- plots and summary

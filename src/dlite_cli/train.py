@@ -87,7 +87,7 @@ class AnchorBatch:
     """B anchors of one sequence (W ≠ 0) or of several (W = 0)."""
 
     context: torch.Tensor  # (B, S, H) target states at the pivots
-    anchor: torch.Tensor  # (B,)
+    tokens: torch.Tensor  # (B, G) the anchor group: G − 1 tokens before each anchor, then the anchor
     labels: torch.Tensor  # (B, K) regenerated tokens x_{a+1..a+K}
     valid: torch.Tensor  # (B, K) bool: the label exists
     top_probs: torch.Tensor  # (B, K, k) p^T_i = p^T(· | x_≤a+i−1)
@@ -97,6 +97,11 @@ class AnchorBatch:
     def to(self, device) -> "AnchorBatch":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "history"}
         return AnchorBatch(**moved, history={k: v.to(device) for k, v in self.history.items()})
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """(B,)"""
+        return self.tokens[:, -1]
 
     @property
     def previous(self) -> torch.Tensor:
@@ -109,7 +114,7 @@ class AnchorBatch:
         return self.top_ids[..., 0].long()
 
 
-def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int) -> AnchorBatch:
+def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int, group: int = 1) -> AnchorBatch:
     length = len(sequence.input_ids)
     offsets = torch.arange(k)
     label_positions = anchors[:, None] + 1 + offsets  # (B, K)
@@ -136,7 +141,7 @@ def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int)
         history = {"features": sequence.features[:span].float().flatten(1)[None], "mask": visible, "anchors": anchors}
     return AnchorBatch(
         context=sequence.features[anchors - 1].float(),
-        anchor=sequence.input_ids[anchors],
+        tokens=sequence.input_ids[(anchors[:, None] + torch.arange(1 - group, 1)).clamp(min=0)],
         labels=labels,
         valid=valid,
         top_probs=sequence.top_probs[p_positions].float(),
@@ -147,7 +152,7 @@ def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int)
 
 def concat_batches(batches: list[AnchorBatch]) -> AnchorBatch:
     """W = 0 anchors are independent: several sequences' anchors form one batch."""
-    fields = ("context", "anchor", "labels", "valid", "top_probs", "top_ids")
+    fields = ("context", "tokens", "labels", "valid", "top_probs", "top_ids")
     return AnchorBatch(**{f: torch.cat([getattr(b, f) for b in batches]) for f in fields}, history={})
 
 
@@ -171,7 +176,8 @@ def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, seq
     # warmup's student has no history, but its teacher reads the full history of each anchor
     window = teacher.spec.history_window if teacher is not None else plan.history_window
     k = len(weights)
-    batches = [anchor_batch(s, sample_anchors(s, train.anchors_per_sample, seed), k, window) for s, seed in zip(sequences, seeds)]
+    group = getattr(drafter, "module", drafter).spec.anchor_group  # unwrapped from DDP
+    batches = [anchor_batch(s, sample_anchors(s, train.anchors_per_sample, seed), k, window, group) for s, seed in zip(sequences, seeds)]
     groups = batches if window != 0 else [concat_batches(batches)]
     total = sum(len(b.anchor) for b in groups)
     return sum(batch_loss(plan, train, drafter, teacher, embed, b.to(device), weights) * (len(b.anchor) / total) for b in groups)
@@ -179,17 +185,15 @@ def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, seq
 
 def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, batch: AnchorBatch, weights: torch.Tensor) -> torch.Tensor:
     """The stage's loss on one batch; labels and p^T's ids are taken into the drafter's vocabulary."""
-    with torch.no_grad():
-        anchor_embeds = embed(batch.anchor).float()
     own_history = batch.history if plan.history_window != 0 else {}
-    logits = drafter(batch.context, anchor_embeds, batch.previous, **own_history)
+    logits = drafter(batch.context, batch.tokens, embed, batch.previous, **own_history)
     vocabulary = getattr(drafter, "module", drafter)  # unwrapped from DDP
     labels = torch.where(batch.labels >= 0, vocabulary.to_draft(batch.labels.clamp(min=0)), -1)
     if plan.loss == "ce":
         return cross_entropy(logits, labels, batch.valid, weights)
     if plan.loss == "kl":
         with torch.no_grad():
-            teacher_logits = teacher(batch.context, anchor_embeds, batch.previous, **batch.history)
+            teacher_logits = teacher(batch.context, batch.tokens, embed, batch.previous, **batch.history)
         return forward_kl(teacher_logits, logits, batch.valid, weights)
     top_ids = vocabulary.to_draft(batch.top_ids)
     return stable_loss(logits, labels, batch.top_probs, top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
@@ -337,12 +341,12 @@ class Trainer:
             anchors = valid_anchors(sequence)
             accepted = []
             for start in range(0, len(anchors), chunk):
-                batch = anchor_batch(sequence, anchors[start : start + chunk], self.spec.draft_tokens, self.spec.history_window)
+                batch = anchor_batch(sequence, anchors[start : start + chunk], self.spec.draft_tokens, self.spec.history_window, self.spec.anchor_group)
                 batch = batch.to(device)
                 greedy = batch.target_greedy
                 # feeding the target's tokens is exact: the drafter's own choices only matter while they agree
                 previous = torch.cat([batch.anchor[:, None], greedy[:, :-1]], dim=1)
-                logits = drafter(batch.context, embed(batch.anchor).float(), previous, **batch.history)
+                logits = drafter(batch.context, batch.tokens, embed, previous, **batch.history)
                 accepted.append(((drafter.draft_ids[logits.argmax(-1)] == greedy) & batch.valid).long().cumprod(dim=1).cpu())
             run = torch.cat(accepted)
             runs.append(run)
@@ -458,7 +462,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(drafter)
             with atomic_directory(self.stage.dir / "drafter") as tmp:
-                model.save(tmp)
+                model.save(tmp, origin=self.stage.name)
             evaluation = self.evaluate(model, eval_sequences)
             _append(self.metrics, {"step": total_steps, **_eval_fields(evaluation)})
             summary = {"steps": total_steps, **_eval_fields(evaluation), "eval_anchors": evaluation["anchors"],

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import DliteError
-from .hub import hub_records
+from .hub import hub_records, is_hub_id
 from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, Skipped, is_heldout, json_array_records, local_records
 from .wheels import wheel_file
 
@@ -288,8 +288,8 @@ def load(workload: Workload, data: str | None, limit: int) -> tuple[list[Episode
     local_copy = f"pass --data {workload.name}=FILE with a local copy (a .jsonl, .json or .parquet file, or a directory of them)"
     try:
         if data is not None:
-            hub_id = data.count("/") == 1 and not data.startswith((".", "/", "~")) and not Path(data).suffix
-            records = hub_records(data, way_out=local_copy) if hub_id and not Path(data).exists() else local_records(Path(data).expanduser(), workload.name)
+            hub_id = is_hub_id(data) and not Path(data).suffix
+            records = hub_records(data, way_out=local_copy) if hub_id else local_records(Path(data).expanduser(), workload.name)
             return _episodes(workload, records, limit), data
         if workload.offline is not None:
             return _take(workload.offline(), limit), workload.offline_source
