@@ -35,8 +35,9 @@ def test_bad_config_value_is_one_sentence_and_exit_2(run_cli):
     ("the target Qwen/Qwen3-0.6B", ["generate", "-p", "hi", "--set", "target.model=Qwen/Qwen3-0.6B"]),
     ("the data set mlabonne/open-perfectblend", ["regen", "--set", "regen.sources=[{name: open-perfectblend, count: 2}]"]),
     ("the data set openai/gsm8k", ["bench", "--workload", "gsm8k", "--data", "gsm8k=openai/gsm8k", "--methods", "ar"]),
+    ("the drafter SJTU-DAI-Sys/Qwen3-4B-DLite", ["generate", "-p", "hi", "--drafter", "SJTU-DAI-Sys/Qwen3-4B-DLite"]),
 ])
-def test_without_the_hub_a_target_a_regen_source_or_a_workload_is_one_sentence_and_exit_2(run_cli, tmp_path, what, args):
+def test_without_the_hub_a_target_a_regen_source_a_workload_or_a_drafter_is_one_sentence_and_exit_2(run_cli, tmp_path, what, args):
     done = run_cli(*args, "--target", "micro", check=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
