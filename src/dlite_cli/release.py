@@ -41,9 +41,9 @@ def is_release(raw: dict) -> bool:
     return "dlite_config" in raw
 
 
-def release_layer_ids(spec: DrafterSpec) -> list[int]:
-    """The spec's feature ids as the release writes them: the final-normed last state is layer L − 1."""
-    return [min(i, spec.target_num_layers - 1) for i in spec.target_layer_ids]
+def release_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    """dlite feature ids as the release writes them: the final-normed last state (id L) is layer L − 1."""
+    return [min(i, num_layers - 1) for i in ids]
 
 
 def spec_from_release(raw: dict, where: str) -> DrafterSpec:
@@ -63,7 +63,7 @@ def spec_from_release(raw: dict, where: str) -> DrafterSpec:
         raise DliteError(f"{where}: attention projections with biases are not supported")
     L, S = raw["num_target_layers"], block["chs_num_layers"]
     ours = select_layers(L, S, "release")
-    expected = [min(i, L - 1) for i in ours]
+    expected = release_layer_ids(ours, L)
     if list(block["target_layer_ids"]) != expected:
         raise DliteError(f"{where}: target_layer_ids {block['target_layer_ids']} are not the release's rule for {S} of {L} layers, {expected}")
     heads = raw["num_attention_heads"]
@@ -94,7 +94,7 @@ def load_release(directory: Path, spec: DrafterSpec) -> Drafter:
         raise DliteError(f"{directory}: the weights do not match the release's DLiteDraftModel"
                          + (f"; missing {', '.join(missing[:3])}" if missing else "") + (f"; unexpected {', '.join(unexpected[:3])}" if unexpected else ""))
     state = {name: weights[release] for name, release in ours.items()}
-    state["depth_embedding.weight"] = state["depth_embedding.weight"][release_layer_ids(spec)]  # the rows of the layers read
+    state["depth_embedding.weight"] = state["depth_embedding.weight"][release_layer_ids(spec.target_layer_ids, spec.target_num_layers)]  # the rows of the layers read
     model = Drafter(spec)
     model.load_state_dict(state)
     return model
@@ -137,14 +137,14 @@ def export_release(drafter: Drafter, target_config, out: Path, where: str, origi
         architectures=["DLiteDraftModel"], num_hidden_layers=spec.num_layers, num_target_layers=spec.target_num_layers,
         block_size=spec.draft_tokens + 1, dtype="float32", **({"origin": origin} if origin else {}),
         dlite_config={"architecture_version": ARCHITECTURE_VERSION, "model_role": MODEL_ROLE, "anchor_group_size": spec.anchor_group,
-                      "chs_num_layers": len(spec.target_layer_ids), "target_layer_ids": release_layer_ids(spec), "sequential_head": "rnn",
+                      "chs_num_layers": len(spec.target_layer_ids), "target_layer_ids": release_layer_ids(spec.target_layer_ids, spec.target_num_layers), "sequential_head": "rnn",
                       "sequential_rank": spec.head_rank, "mask_token_id": spec.mask_token_id},
     )
     if config.get("layer_types"):
         config["layer_types"] = config["layer_types"][: spec.num_layers]
     state = {RELEASE_NAMES.get(name, name): tensor.detach().float().contiguous() for name, tensor in drafter.state_dict().items()}
     depth = torch.zeros(spec.target_num_layers, spec.hidden_size)
-    depth[release_layer_ids(spec)] = state["layer_depth_embedding.weight"]
+    depth[release_layer_ids(spec.target_layer_ids, spec.target_num_layers)] = state["layer_depth_embedding.weight"]
     state["layer_depth_embedding.weight"] = depth
     with atomic_directory(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import DliteError
-from .hub import hub_records, is_hub_id
+from .hub import LOCAL_DATA, hub_records, is_hub_id
 from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, Skipped, is_heldout, json_array_records, local_records
 from .wheels import wheel_file
 
@@ -285,7 +285,7 @@ def select(suite: str, workload: str | None) -> list[Workload]:
 
 def load(workload: Workload, data: str | None, limit: int) -> tuple[list[Episode], str] | Unavailable:
     """The first ``limit`` episodes and where they came from, or why there are none."""
-    local_copy = f"pass --data {workload.name}=FILE with a local copy (a .jsonl, .json or .parquet file, or a directory of them)"
+    local_copy = f"pass --data {workload.name}=FILE with a local copy ({LOCAL_DATA})"
     try:
         if data is not None:
             hub_id = is_hub_id(data) and not Path(data).suffix
