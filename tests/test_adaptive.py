@@ -1,6 +1,6 @@
 """Adaptive draft length: the cost rule, the online calibration, and a row's recent gain."""
 
-from dlite_cli.adaptive import PRIOR_WEIGHT, Calibration, RowGain, VerifyCosts
+from dlite_cli.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, RowGain, VerifyCosts
 
 
 def test_best_length_proposes_while_the_next_token_pays_for_its_verify():
@@ -12,7 +12,17 @@ def test_best_length_proposes_while_the_next_token_pays_for_its_verify():
     assert steep.best_length([0.2, 0.1, 0.1, 0.1], draft_ms=5) == 0  # a fifth of a token is not worth half a step
     assert steep.best_length([0.95, 0.9, 0.3, 0.1], draft_ms=5) == 2  # (1 + .95 + .855) / 85 beats the rest
     assert steep.best_length([], draft_ms=5) == 0
-    assert flat.worth_drafting(expected_gain=0.2, draft_ms=5) and not flat.worth_drafting(expected_gain=0.1, draft_ms=5)
+
+
+def test_a_row_is_drafted_only_while_its_rounds_beat_plain_steps_at_the_width_they_verify():
+    flat = VerifyCosts([40.0] * 5)
+    # where a wide pass costs what a step does, a fifth of a token a round pays for a 5 ms draft: 1.2 × 40 ≥ 5 + 40
+    assert flat.worth_drafting((0.2, 4.0), draft_ms=5) and not flat.worth_drafting((0.1, 4.0), draft_ms=5)
+    steep = VerifyCosts([40.0, 60.0, 80.0, 100.0, 120.0])  # float32 on an AVX2 CPU: each token adds half a step
+    assert not steep.worth_drafting((0.6, 1.0), draft_ms=5)  # 1.6 × 40 < 5 + 60
+    assert steep.worth_drafting((0.7, 1.0), draft_ms=5)  # 1.7 × 40 ≥ 5 + 60
+    assert not steep.worth_drafting((0.7, 4.0), draft_ms=5)  # the same gain over four proposals: a verify of 5 tokens
+    assert steep.worth_drafting((0.0, 0.0), draft_ms=0)  # a round that proposes nothing costs a step
 
 
 def test_calibration_learns_acceptance_of_the_positions_that_were_reached():
@@ -28,11 +38,29 @@ def test_calibration_learns_acceptance_of_the_positions_that_were_reached():
 def test_a_row_that_gains_nothing_is_skipped_then_probed_again():
     gain, costs = RowGain(), VerifyCosts([40.0, 41.0])
     assert costs.worth_drafting(gain.expected(0), draft_ms=8)  # hopeful at first
-    for _ in range(10):
-        gain.drafted(0, accepted=0)
+    for _ in range(30):
+        gain.drafted(0, accepted=0, proposed=1)
     assert not costs.worth_drafting(gain.expected(0), draft_ms=8)
     skipped = 0
     while not costs.worth_drafting(gain.expected(0), draft_ms=8):
         gain.skipped(0)
         skipped += 1
-    assert 1 < skipped < 10  # a few rounds without drafting, then a probe
+    # 0.9^30 ≈ 0.04 accepted per round recovers to the threshold (8 + 41 − 40) / 40 at GAIN_HOPE a round
+    assert skipped == round((9 / 40 - GAIN_DECAY**30) / GAIN_HOPE + 0.5)
+
+
+def test_where_drafting_never_pays_probes_cost_a_few_percent_of_plain_decoding():
+    """A drafter that is never right, on a CPU where a 2-token verify costs 1.5 steps: after its first
+    rounds it is only probed, and the probes cost at most ~5 % over plain decoding."""
+    gain, costs, draft_ms = RowGain(), VerifyCosts([40.0, 60.0]), 5.0
+    plain_ms = spent_ms = 0.0
+    for round_ in range(3000):
+        drafted = costs.worth_drafting(gain.expected(0), draft_ms)
+        if drafted:
+            gain.drafted(0, accepted=0, proposed=1)
+        else:
+            gain.skipped(0)
+        if round_ >= 1000:  # past the hopeful start
+            plain_ms += costs.ms[0]
+            spent_ms += draft_ms + costs.ms[1] if drafted else costs.ms[0]
+    assert 1.0 < spent_ms / plain_ms <= 1.05

@@ -161,7 +161,7 @@ def test_adaptive_proposals_are_cut_and_skipped_and_the_output_stays_the_targets
     drafter = "ngram" if name == "ngram" else str(drafter_dirs[base]) + name[len(base) :]
     proposer = load_proposer(drafter, None, micro[0], capacity=1024, ngram_tokens=K, dtype="float32")
     engine = make_engine(micro, proposer)
-    proposer.costs = VerifyCosts([30.0, 40.0, 50.0, 60.0, 70.0])
+    proposer.adapt(VerifyCosts([30.0, 40.0, 50.0, 60.0, 70.0]))
     budgets = [NEW_TOKENS, NEW_TOKENS - 7, NEW_TOKENS]
     requests = [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     engine.run(requests)
@@ -280,7 +280,7 @@ def test_requests_that_cannot_fit_are_refused(micro):
 class SelfDrafter(ModelDrafter):
     """Drafts by sampling the target itself at a sharper temperature: q overlaps p but differs from it.
     With ``vocabulary`` it can propose only those tokens (a reduced draft vocabulary: q = 0 elsewhere);
-    with ``costs`` it proposes adaptively, as DLite does."""
+    after ``adapt`` it proposes adaptively, as DLite does (its round is taken to cost 1 ms)."""
 
     def __init__(self, model, vocabulary=None):
         super().__init__("self", 2, [])
@@ -289,6 +289,9 @@ class SelfDrafter(ModelDrafter):
     @property
     def _device(self):
         return torch.device("cpu")
+
+    def round_ms(self):
+        return 1.0
 
     def _model_draft(self, rows, pick):
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
@@ -343,7 +346,7 @@ def sampled_positions(micro, prompt, params, count, path="eager", vocabulary=Non
     if how == "hybrid":
         drafter = HybridDrafter(drafter, NgramDrafter(2), model.config.vocab_size)
     if how != "fixed":
-        drafter.costs = VerifyCosts([3000.0, 4500.0, 6000.0])  # a step dwarfs a draft, a token costs half a step: some are cut
+        drafter.adapt(VerifyCosts([3000.0, 4500.0, 6000.0]))  # a step dwarfs a draft, a token costs half a step: some are cut
     engine = make_engine(micro, drafter, slots=16, path=path)
     requests = [Request(prompt, SamplingParams(max_new_tokens=3, temperature=params.temperature, top_k=params.top_k, seed=i)) for i in range(count)]
     with torch.no_grad():

@@ -9,9 +9,12 @@ tokens.  Per row and round the drafter estimates each a_j (:class:`Calibration`:
 accepted of earlier proposals that looked alike — e.g. the same draft probability) and proposes the
 L that maximises tokens per millisecond (:meth:`VerifyCosts.best_length`).  On a CPU, where a verify
 of 8 tokens may cost 1.5 steps, that cuts the proposals a weak drafter would waste; where a wider
-pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row whose drafts have lately
-gained less than a draft round costs is not drafted at all that round (:class:`RowGain`).
-Any such rule leaves the output exact: it depends only on the drafter's side.
+pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row is drafted at all only while
+its recent drafted rounds, at the lengths they proposed, commit tokens faster than plain steps would
+(:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
+than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  The
+draft round's cost is measured at start-up, warm, like the verify costs.  Any such rule leaves the
+output exact: it depends only on the drafter's side.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind a calibration's prior
-GAIN_DECAY = 0.7  # how fast a row's recent gain forgets (per drafted round)
-GAIN_HOPE = 0.05  # how much a skipped row's expected gain recovers per round, so that it is probed again
+# How fast a row's recent gain forgets, per drafted round: about the last 10 rounds, since one round's
+# acceptance is mostly 0 or a few tokens (a shorter memory skips rows on a run of bad luck).
+GAIN_DECAY = 0.9
+# How much a skipped row's expected gain recovers per round, so that it is probed again.  Where drafting
+# never pays, a probe costs at most the threshold's worth of a step every (1 − GAIN_DECAY)·threshold /
+# GAIN_HOPE rounds: about GAIN_HOPE / (1 − GAIN_DECAY) = 5 % of plain decoding, far less when it nearly pays.
+GAIN_HOPE = 0.005
 
 
 @dataclass
@@ -40,9 +48,12 @@ class VerifyCosts:
                 best, best_rate = i, rate
         return best
 
-    def worth_drafting(self, expected_gain: float, draft_ms: float) -> bool:
-        """A draft round pays if the tokens it is expected to add save more target steps than it costs."""
-        return expected_gain * self.ms[0] >= draft_ms
+    def worth_drafting(self, gain: tuple[float, float], draft_ms: float) -> bool:
+        """A row's round pays if, at its recent (accepted, proposed) per drafted round (:meth:`RowGain.expected`),
+        it commits tokens at least as fast as plain steps: (1 + accepted) / (draft_ms + T(proposed + 1)) ≥ 1 / T(1)."""
+        accepted, proposed = gain
+        width = min(round(proposed), len(self.ms) - 1)
+        return (1 + accepted) * self.ms[0] >= draft_ms + self.ms[width]
 
 
 @dataclass
@@ -89,20 +100,23 @@ class Candidate:
 
 @dataclass
 class RowGain:
-    """Per row: accepted drafts per drafted round, recently (starts hopeful, so every row is drafted first)."""
+    """Per row, recently: accepted drafts and proposed tokens per drafted round (starts hopeful, one of one,
+    so every row is drafted first)."""
 
-    gains: dict = field(default_factory=dict)  # slot → expected accepted drafts per round
+    gains: dict = field(default_factory=dict)  # slot → (accepted, proposed) per drafted round, decayed
     drafting: set = field(default_factory=set)  # slots drafted this round, until their outcome is known
 
-    def expected(self, slot: int) -> float:
-        return self.gains.setdefault(slot, 1.0)
+    def expected(self, slot: int) -> tuple[float, float]:
+        return self.gains.setdefault(slot, (1.0, 1.0))
 
-    def drafted(self, slot: int, accepted: int) -> None:
+    def drafted(self, slot: int, accepted: int, proposed: int) -> None:
         self.drafting.discard(slot)
-        self.gains[slot] = GAIN_DECAY * self.expected(slot) + (1 - GAIN_DECAY) * accepted
+        was_accepted, was_proposed = self.expected(slot)
+        self.gains[slot] = (GAIN_DECAY * was_accepted + (1 - GAIN_DECAY) * accepted, GAIN_DECAY * was_proposed + (1 - GAIN_DECAY) * proposed)
 
     def skipped(self, slot: int) -> None:
-        self.gains[slot] = self.expected(slot) + GAIN_HOPE
+        accepted, proposed = self.expected(slot)
+        self.gains[slot] = (accepted + GAIN_HOPE, proposed)
 
     def forget(self, slot: int) -> None:
         self.gains.pop(slot, None)

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__
+from . import __version__, precision
 from .errors import DliteError
 
 STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "stable-parallel", "bench")
@@ -144,6 +144,7 @@ class Stage:
         self.dir = Path(run_dir) / name
         self.manifest_path = self.dir / "manifest.json"
         self._started = time.time()
+        self._precision_mark = precision.mark()  # the decisions asked for from now on are this stage's
 
     def manifest(self) -> dict | None:
         return read_json(self.manifest_path)
@@ -186,6 +187,9 @@ class Stage:
         """Record progress (e.g. ``progress={"done": 3, "total": 8, "unit": "prompts"}``) and elapsed time."""
         manifest = self.manifest()
         manifest.update(fields, elapsed_s=round(self._elapsed_before + time.time() - self._started, 3))
+        decisions = precision.made(self._precision_mark)
+        if decisions:  # the precision decisions (precision.py) this stage's work was done under
+            manifest["precision"] = decisions
         atomic_write_json(self.manifest_path, manifest)
 
     def finish(self, **fields: Any) -> None:

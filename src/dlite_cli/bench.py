@@ -44,7 +44,7 @@ from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import PLOTS, write_report
 from .runner import TargetRunner, decode_path, pass_width
-from .targets import load_target
+from .targets import Work, load_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 
 METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain autoregressive decoding
@@ -102,7 +102,7 @@ class Bench:
         """Measure what the run directory does not hold yet (with ``force``, all of the plan), write the plan's
         tables → {"measured": n, "reused": n}."""
         episodes, unavailable = self._load_episodes()
-        model, self.tokenizer, target = load_target(self.config.target, self.log)
+        model, self.tokenizer, target = load_target(self.config.target, self.log, Work.decoding(self.config))
         self.path = decode_path(self.config.decode.path, model.device, model.dtype)
         width = pass_width(self.config.drafter.draft_tokens, model.dtype)
         recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode),
@@ -170,7 +170,7 @@ class Bench:
             name = METHOD_NAMES.get(method, method)
             base = split_fixed(name)[0]
             try:
-                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path)
+                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log)
                 if base in ("none", "ngram"):
                     self.drafters[method] = self.fingerprints[method] = name
                     self.origins[method] = "no checkpoint"

@@ -70,7 +70,8 @@ class TargetConfig:
     """The target model: a built-in name (``smollm2-135m``, ``micro``), a hub id or a local path."""
 
     model: str
-    # auto: bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16 decodes faster, measured once per machine
+    # auto: bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16 does the stage's work faster, timed once
+    # per machine (precision.py): batched passes for regen and the feature pass, a decode round for decoding
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # Where every stage runs the target and the drafter: auto (CUDA when available), cpu, cuda, cuda:N.
     # Under `accelerate launch` each process uses its own GPU and only cpu vs cuda is taken from here.
@@ -162,8 +163,9 @@ class TrainConfig:
     max_length: int = positive(4096)
     anchors_per_sample: int = positive(512)
     features: Literal["online", "cached"] = "online"
-    # The drafter's forward and backward under autocast (weights and optimizer stay float32); auto: what
-    # `accelerate launch` was configured with, else no.  bf16 needs a GPU, or a CPU with AVX-512 BF16 or AMX.
+    # The drafter's forward and backward under autocast (weights and optimizer stay float32).  auto: what
+    # `accelerate launch` was configured with; else bf16 on a GPU, and on a CPU whichever of a bf16-autocast and
+    # a float32 training step is the faster here, timed once per machine (train.mixed_precision, precision.py).
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     target_top_k: int = positive(32)  # p^T kept as its top-k (the TV loss is exact for that truncation)
     target_batch: int = positive(8)  # sequences per no-grad target pass
@@ -176,10 +178,10 @@ class TrainConfig:
 class DecodeConfig:
     """The speculative-decoding engine (``generate``, ``bench``, ``serve``); never changes what was trained."""
 
-    # The drafter only proposes, so its precision cannot change the output.  bfloat16 halves the
-    # memory its vocabulary projection reads per draft token: measured here, a smollm2-135m draft round
-    # takes 22 ms instead of 39 ms, with the same tau (1.271 vs 1.273 on held-out chats).
-    draft_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # The drafter only proposes, so its precision cannot change the output, only the time.  auto: bfloat16 on a
+    # GPU; on a CPU whichever of float32 and bfloat16 drafts a round faster here, timed once per machine
+    # (precision.py).  With AVX-512 BF16, bfloat16 took a smollm2-135m round from 39 to 22 ms (same tau).
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # How a decode round runs (outputs are the same on every path):
     #   eager   shapes follow the batch (rows, tokens in the pass, context): the reference, fastest on a CPU
     #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), the whole allocated KV cache
@@ -282,9 +284,23 @@ def find_yaml(name: str, kind: str = "configs") -> Path:
     raise DliteError(f"unknown {what} {name!r}: expected one of {', '.join(known)} or a path to a YAML file")
 
 
+class Word(str):
+    """A scalar that YAML 1.1 reads as true, false or null (``no``, ``off``, ``on``, ``~``), kept as written until
+    its field's type is known: a Literal field takes the word (``mixed_precision: no``), any other field the
+    value YAML gives it."""
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as dlite reads configs: safe, with true/false/null words kept as :class:`Word`."""
+
+
+for _tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:null"):
+    _Loader.add_constructor(_tag, lambda loader, node: Word(loader.construct_scalar(node)))
+
+
 def _read_mapping(path: Path) -> dict:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as e:
         raise DliteError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
@@ -325,7 +341,7 @@ def _apply_override(raw: dict, item: str, path: Path) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise DliteError(f"{path}: --set {key}: {part} is not a section")
-    node[leaf] = yaml.safe_load(value)
+    node[leaf] = yaml.load(value, Loader=_Loader)
 
 
 def _build(cls, data: Any, origin: str, prefix: str):
@@ -352,6 +368,9 @@ def _build(cls, data: Any, origin: str, prefix: str):
 
 
 def _coerce(value: Any, tp: Any, origin: str, key: str) -> Any:
+    if isinstance(value, Word):
+        value = str(value) if typing.get_origin(tp) is Literal else yaml.safe_load(value)
+
     def wrong(expected: str):
         return DliteError(f"{origin}: {key} must be {expected}, got {value!r}")
 

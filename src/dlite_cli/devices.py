@@ -32,7 +32,9 @@ def resolve_device(setting: str) -> torch.device:
 
 
 def hardware(device: torch.device) -> str:
-    """What a table row says the work ran on: the GPU's name, or the CPU's model and core count."""
+    """What a table row says the work ran on: the GPU's name, or the CPU's model, core count and the vector
+    instructions PyTorch's kernels use there (``ATEN_CPU_CAPABILITY``, and oneDNN's ``ONEDNN_MAX_CPU_ISA``,
+    cap them: then the same CPU does different work, at different speeds, as bfloat16 shows)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine()
@@ -40,7 +42,8 @@ def hardware(device: torch.device) -> str:
         name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{name} CPU, {os.cpu_count()} cores"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"{name} CPU, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}" + (f" (oneDNN ≤ {onednn})" if onednn else "")
 
 
 def now(device: torch.device) -> float:
@@ -50,9 +53,9 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    """The median wall time of ``fn()`` in ms, after two warm-up calls (CUDA graphs are captured there)."""
-    for _ in range(2):
+def median_ms(fn, repeats: int, device: torch.device, warmup: int = 2) -> float:
+    """The median wall time of ``fn()`` in ms, after ``warmup`` calls (CUDA graphs are captured there)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):

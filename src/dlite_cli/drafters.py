@@ -7,9 +7,10 @@
     end(row)                             a row leaves
     kv_bytes(row)                        draft-side KV cache held for the row (0 for DLite)
 
-With ``costs`` (the target's measured verify cost per tokens in the pass, adaptive.py) a drafter
-proposes per row only as many tokens as are expected to pay for their verify, and a model drafter
-skips rows whose drafts have lately not paid for the draft round; without, every row gets K.
+After ``adapt(costs)`` (the target's measured verify cost per tokens in the pass, adaptive.py; a model
+drafter then times its own round) a drafter proposes per row only as many tokens as are expected to
+pay for their verify, and a model drafter skips rows whose drafted rounds have lately been slower than
+plain steps; without, every row gets K.
 
 ``row`` is the engine's Request: ``slot``, ``tokens`` (committed ids, the anchor last), ``pivot``
 (S, H) target features at the position before the anchor, ``anchor`` and ``position`` (its
@@ -22,6 +23,8 @@ elsewhere; neither keeps a draft KV cache).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +32,12 @@ from pathlib import Path
 import torch
 
 from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
-from .devices import now
+from .devices import median_ms
 from .errors import DliteError
 from .graphs import BUCKETS, CudaGraphs, bucket_for
 from .hub import from_hub, is_hub_id
 from .model import FULL_HISTORY, Drafter, History, greedy_pick
+from .precision import decide
 from .release import is_release
 
 # drafter names → the run-directory stage whose export they load
@@ -58,7 +62,11 @@ class NoDrafter:
 
     name, draft_tokens, needs_all_features = "none", 0, False
     target_layers: list[int] = []  # the target layers whose states the drafter reads
-    costs: VerifyCosts | None = None  # set by the engine to propose adaptively
+    costs: VerifyCosts | None = None  # set by ``adapt``: then proposals are adaptive
+
+    def adapt(self, costs: VerifyCosts) -> None:
+        """Propose adaptively from now on, at the target's verify ``costs`` measured on this machine."""
+        self.costs = costs
 
     def propose(self, rows, pick) -> Draft:
         return Draft(torch.zeros(len(rows), 0, dtype=torch.long), [0] * len(rows), None)
@@ -143,7 +151,15 @@ class ModelDrafter(NoDrafter):
         self.calibration = Calibration(prior=lambda key: (key + 0.5) / CONFIDENCE_BINS)  # key: the probability's bin
         self.gain = RowGain()
         self.proposed: dict[int, Candidate] = {}  # slot → this round's candidate (absent: not drafted)
-        self.draft_ms = 0.0  # a model round's time, recently
+        self.draft_ms = 0.0  # a model round's time at batch 1, measured warm by ``adapt``
+
+    def adapt(self, costs: VerifyCosts) -> None:
+        super().adapt(costs)
+        self.draft_ms = self.round_ms()
+
+    def round_ms(self) -> float:
+        """ms of one draft round at batch 1 here (warm, median)."""
+        raise NotImplementedError
 
     def propose(self, rows, pick) -> Draft:
         B, K = len(rows), self.draft_tokens
@@ -153,10 +169,7 @@ class ModelDrafter(NoDrafter):
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
         if not drafted:
             return Draft(tokens, [0] * B, None)
-        start = now(self._device)
         draft = self._model_draft([rows[b] for b in drafted], pick)
-        elapsed = 1000 * (now(self._device) - start)
-        self.draft_ms = 0.5 * (self.draft_ms + elapsed) if self.draft_ms else elapsed
         lengths = [0] * B
         if self.costs is None:
             lengths = [K if b in drafted else 0 for b in range(B)]
@@ -176,10 +189,11 @@ class ModelDrafter(NoDrafter):
         return Draft(tokens.index_copy_(0, index, draft.tokens), lengths, logits)
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
-        if row.slot in self.proposed:
-            self.calibration.observe_round(self.proposed.pop(row.slot), accepted, next_token)
+        candidate = self.proposed.pop(row.slot, None)
+        if candidate is not None:
+            self.calibration.observe_round(candidate, accepted, next_token)
         if row.slot in self.gain.drafting:  # it was drafted this round
-            self.gain.drafted(row.slot, accepted)
+            self.gain.drafted(row.slot, accepted, candidate.proposed if candidate is not None else self.draft_tokens)
 
     def end(self, row) -> None:
         self.gain.forget(row.slot)
@@ -230,6 +244,9 @@ class DLiteAdapter(ModelDrafter):
     def _history(self, rows) -> History | None:
         return None
 
+    def round_ms(self) -> float:
+        return draft_round_ms(self.drafter, self.embed)
+
     @property
     def _device(self) -> torch.device:
         return self.drafter.norm.weight.device
@@ -252,13 +269,10 @@ class HybridDrafter(NoDrafter):
         self.name = f"{model.name}{HYBRID_SUFFIX}"
         self.draft_tokens, self.target_layers = model.draft_tokens, model.target_layers
 
-    @property
-    def costs(self) -> VerifyCosts | None:
-        return self.model.costs
-
-    @costs.setter
-    def costs(self, costs: VerifyCosts | None) -> None:
-        self.model.costs = self.lookup.costs = costs
+    def adapt(self, costs: VerifyCosts) -> None:
+        super().adapt(costs)
+        self.model.adapt(costs)
+        self.lookup.adapt(costs)
 
     def propose(self, rows, pick) -> Draft:
         B, K = len(rows), self.draft_tokens
@@ -266,7 +280,7 @@ class HybridDrafter(NoDrafter):
         lengths, by_model = [0] * B, []
         for b, row in enumerate(rows):
             candidate = self.lookup.candidate(row)
-            if candidate.proposed and self.lookup.expected_gain(candidate) >= self.model.gain.expected(row.slot):
+            if candidate.proposed and self.lookup.expected_gain(candidate) >= self.model.gain.expected(row.slot)[0]:
                 self.lookup.proposed[row.slot] = candidate
                 tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
                 lengths[b] = candidate.proposed
@@ -288,6 +302,27 @@ class HybridDrafter(NoDrafter):
 
     def end(self, row) -> None:
         self.model.end(row)
+
+
+def draft_round_ms(drafter: Drafter, embed, repeats: int = 5) -> float:
+    """ms of one draft round of ``drafter`` at batch 1 on its device and in its dtype (a random pivot: the
+    round's cost does not depend on the values; a history drafter's is timed without history)."""
+    spec, weight = drafter.spec, drafter.norm.weight
+    context = torch.randn(1, len(spec.target_layer_ids), spec.hidden_size, device=weight.device, dtype=weight.dtype)
+    group = torch.zeros(1, spec.anchor_group, dtype=torch.long, device=weight.device)
+    return median_ms(lambda: drafter.draft(context, group, embed), repeats, weight.device)
+
+
+def draft_dtype(setting: str, drafter: Drafter, embed, log=print) -> str:
+    """``decode.draft_dtype`` → a dtype name; auto: bfloat16 on a GPU, and on a CPU whichever of float32 and
+    bfloat16 drafts a round faster here (precision.py).  The drafter only proposes: its dtype never changes
+    the output, only the time (and, a little, τ)."""
+    if setting != "auto":
+        return setting
+    options = {name: lambda name=name: draft_round_ms(copy.deepcopy(drafter).to(dtype=getattr(torch, name)), embed)
+               for name in ("float32", "bfloat16")}
+    return decide("decode.draft_dtype", {"spec": dataclasses.asdict(drafter.spec)}, options, "a draft round (batch 1)",
+                  drafter.norm.weight.device, log)
 
 
 def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -404,19 +439,20 @@ def drafter_origin(directory: Path) -> str:
     return raw.get("origin") or ("release" if is_release(raw) else stage if stage in STAGE_OF.values() else "unknown")
 
 
-def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager"):
+def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager",
+                  log=print):
     """The drafter adapter for ``name`` (see resolve_drafter_path; ``NAME+ngram`` is the hybrid of that
-    drafter and prompt lookup), fitted to ``target_model``, run in ``dtype`` on the target's device;
-    ``path`` graphs captures DLite's rounds as CUDA graphs."""
+    drafter and prompt lookup), fitted to ``target_model``, run in ``dtype`` (or auto: :func:`draft_dtype`) on
+    the target's device; ``path`` graphs captures DLite's rounds as CUDA graphs."""
     name, _ = split_fixed(name)
     if name == "none":
         return NoDrafter()
     if name == "ngram":
         return NgramDrafter(ngram_tokens)
     directory = resolve_drafter_path(name, run_dir)
-    drafter = Drafter.load(directory, target_model.config).eval()
-    drafter.to(next(target_model.parameters()).device, getattr(torch, dtype))
+    drafter = Drafter.load(directory, target_model.config).eval().to(next(target_model.parameters()).device)
     embed = target_model.get_input_embeddings()
+    drafter.to(dtype=getattr(torch, draft_dtype(dtype, drafter, embed, log)))
     base = name.removesuffix(HYBRID_SUFFIX)
     label = base if base in STAGE_OF else directory.name
     if drafter.spec.history_window != 0:

@@ -199,11 +199,11 @@ class Engine:
 
     def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False):
         """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot.
-        ``adaptive``: the drafter proposes only what pays for its verify, at the verify costs measured here
-        (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
+        ``adaptive``: the drafter proposes only what pays for its verify, at the verify and draft costs measured
+        here (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
         if adaptive and drafter.draft_tokens:
-            drafter.costs = VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1))
+            drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1)))
         self.free = list(range(runner.slots))
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -386,13 +386,13 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
     ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length."""
     from .drafters import load_proposer, split_fixed
-    from .targets import load_target
+    from .targets import Work, load_target
 
-    model, tokenizer, _ = load_target(config.target, log)
+    model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     capacity = capacity or model.config.max_position_embeddings
     decode = config.decode
     path = decode_path(decode.path, model.device, model.dtype)
-    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path)
+    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log)
     width = pass_width(proposer.draft_tokens, model.dtype)
     runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]

@@ -24,17 +24,16 @@ import torch
 
 from .config import PACKAGE_DIR, Config
 from .devices import hardware, median_ms, resolve_device
-from .drafters import DLiteAdapter, HistoryAdapter
+from .drafters import DLiteAdapter, HistoryAdapter, draft_dtype
 from .engine import Engine, Request, SamplingParams
 from .errors import DliteError
 from .features import LayerCapture, Sequence, target_pass
-from .losses import position_weights
 from .model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from .progress import progress_bar
 from .report import paper_results
 from .runner import TargetRunner, decode_path
-from .targets import fastest_dtype
-from .train import stage_loss, stage_plan, valid_anchors
+from .targets import Work, target_dtype
+from .train import mixed_precision, stage_plan, step_seconds, synthetic_sequences, valid_anchors
 
 COPY_BYTES = 1 << 28  # the buffer the device's copy bandwidth is measured with
 OVERHEAD_TOKENS = 24  # decoded at batch 1 to measure the engine's host time per round
@@ -135,13 +134,15 @@ class Profiler:
         self.arch = architecture(config)
         self.dtype_name = config.target.dtype
         if self.dtype_name == "auto":
-            self.dtype_name, steps = fastest_dtype(lambda name: random_target(self.arch, getattr(torch, name), self.device), self.device)
-            log(f"target.dtype auto: {self.dtype_name}" + (f" (decode step {steps})" if steps else ""))
+            build = lambda name: random_target(self.arch, getattr(torch, name), self.device)  # noqa: E731
+            self.dtype_name = target_dtype(build, self.device, Work.decoding(config), f"random weights of {config.name}", log)
         self.dtype = getattr(torch, self.dtype_name)
-        self.draft_dtype = getattr(torch, config.decode.draft_dtype)
         self.path = decode_path(config.decode.path, self.device, self.dtype)
         self.model = random_target(self.arch, self.dtype, self.device)
         self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
+        self.draft_dtype_name = draft_dtype(config.decode.draft_dtype, Drafter(self.spec).to(self.device).eval(), self.model.get_input_embeddings(), log)
+        self.draft_dtype = getattr(torch, self.draft_dtype_name)
+        self.mixed_precision = mixed_precision(config.train, self.spec, self.device, log) or "no"
         self.k = config.drafter.draft_tokens
         spec = self.spec
         self.target_kv = kv_bytes_per_token(self.arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
@@ -150,7 +151,7 @@ class Profiler:
     def run(self) -> dict:
         torch.manual_seed(0)
         result = {"target": self.config.name, "hardware": hardware(self.device), "device": str(self.device), "path": self.path,
-                  "dtype": self.dtype_name, "draft_dtype": self.config.decode.draft_dtype,
+                  "dtype": self.dtype_name, "draft_dtype": self.draft_dtype_name, "mixed_precision": self.mixed_precision,
                   "plan": dataclasses.asdict(self.plan), "weight_bytes": weight_bytes(self.model),
                   "kv_bytes_per_token": self.target_kv,
                   "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": []}
@@ -242,31 +243,14 @@ class Profiler:
         (under ``train.mixed_precision``), and the target's no-grad feature pass over the same sequences (what
         ``train.features: online`` adds)."""
         train, out = self.config.train, []
-        S, H, T, V = len(self.spec.target_layer_ids), self.spec.hidden_size, train.max_length, self.arch.vocab_size
-        sequences = [Sequence(torch.randint(V, (T,)), T // 4, torch.randn(T, S, H).half(), torch.rand(T, train.target_top_k).half(),
-                              torch.randint(V, (T, train.target_top_k), dtype=torch.int32)) for _ in range(train.micro_batch)]
         embed = self.model.get_input_embeddings()
-        weights = position_weights(self.k, train.gamma)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.mixed_precision)
-        autocast = torch.autocast(self.device.type, dtype=half or torch.bfloat16, enabled=half is not None)
-        teacher = None
+        sequences, teacher = synthetic_sequences(self.spec, train), None
         for name in TRAIN_STAGES:
             plan = stage_plan(name, train)
-            drafter = Drafter(dataclasses.replace(self.spec, history_window=plan.history_window)).to(self.device)
-            optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
-
-            def step():
-                with autocast:
-                    loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, self.device)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            seconds = median_ms(step, self.plan.train_steps, self.device) / 1000
+            seconds, drafter = step_seconds(plan, train, self.spec, embed, sequences, self.device, self.mixed_precision, self.plan.train_steps, teacher)
             out.append(self._rate(name, seconds, sequences))
             if name == "train-teacher":
                 teacher = drafter.requires_grad_(False).eval()
-            del optimizer
         capture = LayerCapture(self.model, self.spec.target_layer_ids)
         try:
             inputs = [{"input_ids": s.input_ids.tolist(), "prompt_len": s.prompt_len} for s in sequences]

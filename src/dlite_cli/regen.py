@@ -37,7 +37,7 @@ from .errors import DliteError
 from .progress import progress_bar
 from .prompts import Prompt, Skipped, plan_prompts
 from .devices import resolve_device
-from .targets import load_model, load_tokenizer, prepare_target
+from .targets import Work, load_model, load_tokenizer, prepare_target
 
 RETRIES = 6  # attempts per request with the openai backend
 
@@ -254,7 +254,8 @@ def run_regen(
     mine = [c for c in range(len(chunks)) if c % shard[1] == shard[0] and not _chunk_path(chunks_dir, c).exists()]
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
     if mine:
-        model = load_model(target, config.target.dtype, resolve_device(config.target.device), log) if regen.backend == "hf" else None
+        device = resolve_device(config.target.device)
+        model = load_model(target, config.target.dtype, device, log, Work("batched", regen.batch_size)) if regen.backend == "hf" else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),

@@ -30,7 +30,7 @@ from .model import SUPPORTED_FAMILIES, apply_rope
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
 SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
-COST_CONTEXT = 512  # context the verify costs that adaptive drafting weighs are measured at
+COST_CONTEXT = 512  # context the verify costs are measured at (adaptive drafting, target.dtype auto)
 PATHS = ("eager", "static", "graphs")
 
 

