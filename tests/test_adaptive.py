@@ -64,3 +64,20 @@ def test_where_drafting_never_pays_probes_cost_a_few_percent_of_plain_decoding()
             plain_ms += costs.ms[0]
             spent_ms += draft_ms + costs.ms[1] if drafted else costs.ms[0]
     assert 1.0 < spent_ms / plain_ms <= 1.05
+
+
+def test_costs_follow_the_passes_the_engine_runs_at_the_rows_context():
+    """Measured at 512 tokens of context a second token costs 12 % of a step; at 50 tokens it costs 30 %: the
+    passes the engine runs correct the start-up curve, and a width never run keeps its place on it."""
+    costs = VerifyCosts([73.0, 82.0, 95.0])
+    for _ in range(60):
+        costs.observe(2, 69.0)
+    assert abs(costs.cost(2) - 69.0) < 0.5 and abs(costs.cost(1) - 73.0 * 69 / 82) < 0.5  # unseen: scaled with it
+    for _ in range(60):
+        costs.observe(1, 52.0)
+    assert abs(costs.cost(1) - 52.0) < 0.5 and abs(costs.cost(2) - 69.0) < 0.5
+    assert not costs.worth_drafting((0.4, 1.0), draft_ms=12)  # at 512 it would have paid: 1.4 × 73 ≥ 12 + 82
+    padded = VerifyCosts([50.0] * 4, padded=4)  # the static path: every pass is 4 wide
+    for _ in range(60):
+        padded.observe(1, 40.0)
+    assert abs(padded.cost(1) - 40.0) < 0.5 and padded.cost(1) == padded.cost(3) == padded.cost(4)

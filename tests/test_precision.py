@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from dlite_cli import precision
-from pathlib import Path
-
 from dlite_cli.config import CONFIG_DIRS, TargetConfig, load_config
 from dlite_cli.errors import DliteError
 from dlite_cli.precision import decide, fastest

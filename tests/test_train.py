@@ -32,6 +32,9 @@ def test_micro_pipeline_end_to_end(run_cli, tmp_path):
         assert (run / stage / "drafter" / "model.safetensors").is_file() and not (run / stage / "checkpoint").exists()
         lines = [json.loads(line) for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
         assert any("loss" in line for line in lines) and any("eval_tau" in line for line in lines)
+        # micro's train.mixed_precision is auto: each stage timed its own step both ways and recorded the decision
+        (decision,) = [d for d in manifest.get("precision", []) if d["setting"] == "train.mixed_precision"]
+        assert set(decision["ms"]) == {"no", "bf16"} and decision["choice"] in ("no", "bf16") and stage in decision["work"]
     assert "history_fuse.weight" in load_file(run / "train-teacher" / "drafter" / "model.safetensors")
     assert "history_fuse.weight" not in load_file(run / "stable" / "drafter" / "model.safetensors")
     assert "head.gate.weight" in load_file(run / "stable-scratch" / "drafter" / "model.safetensors")
@@ -86,7 +89,8 @@ def test_two_process_accelerate_launch_on_cpu(run_cli, cache_dir, tmp_path):
     for run in (single, double):
         run_cli("regen", "--target", "micro", "--run-dir", str(run))
     cpu = ["--set", "target.device=cpu"]  # cpu-2proc.yaml: two processes on one machine (gloo), whatever GPUs it has
-    run_cli("train-teacher", "--target", "micro", "--run-dir", str(single), *cpu)
+    # the launch runs in the precision its config names ('no'); the single process is given the same
+    run_cli("train-teacher", "--target", "micro", "--run-dir", str(single), *cpu, "--set", "train.mixed_precision=no")
     repo = Path(__file__).resolve().parents[1]
     launch = [
         sys.executable, "-m", "accelerate.commands.launch",

@@ -29,21 +29,43 @@ GAIN_DECAY = 0.9
 # never pays, a probe costs at most the threshold's worth of a step every (1 − GAIN_DECAY)·threshold /
 # GAIN_HOPE rounds: about GAIN_HOPE / (1 − GAIN_DECAY) = 5 % of plain decoding, far less when it nearly pays.
 GAIN_HOPE = 0.005
+COST_MEMORY = 0.1  # how far one batch-1 pass the engine ran moves the cost of its width (about the last 10)
 
 
 @dataclass
 class VerifyCosts:
-    """T(q), ms of a target pass over q = 1..K+1 tokens (index q − 1), measured at start-up."""
+    """T(q), ms of a target pass over q = 1..K+1 tokens (index q − 1): measured at start-up at one context, then
+    corrected by the batch-1 passes the engine really runs (:meth:`observe`), since the context a row is at
+    changes them (float32 on a 2-core AVX2 CPU: a second token cost 12 % of a step at 512 tokens of context
+    and about 30 % at 50)."""
 
     ms: list[float]
+    padded: int = 1  # passes narrower than this are padded to it (the static path): they cost what it does
+    seen: set = field(default_factory=set)  # the widths (index) passes were observed at
+
+    def cost(self, width: int) -> float:
+        """T(width), ms: a pass narrower than ``padded`` is run padded to it."""
+        return self.ms[min(max(width, self.padded), len(self.ms)) - 1]
+
+    def observe(self, width: int, ms: float) -> None:
+        """A batch-1 pass of ``width`` tokens took ``ms``: that width's cost moves toward it, and the widths never
+        seen move in proportion, so the curve keeps the shape measured at start-up until each width is seen."""
+        i = min(max(width, self.padded), len(self.ms)) - 1
+        ratio = (ms / self.ms[i]) ** COST_MEMORY
+        self.seen.add(i)
+        for j in range(len(self.ms)):
+            if j == i:
+                self.ms[j] += COST_MEMORY * (ms - self.ms[j])
+            elif j not in self.seen:
+                self.ms[j] *= ratio
 
     def best_length(self, accept: list[float], draft_ms: float) -> int:
         """The L in 0..len(accept) that maximises (1 + Σ_{i≤L} Π_{j≤i} a_j) / (draft_ms + T(L+1))."""
-        best, best_rate, expected, reach = 0, 1 / (draft_ms + self.ms[0]), 1.0, 1.0
+        best, best_rate, expected, reach = 0, 1 / (draft_ms + self.cost(1)), 1.0, 1.0
         for i, a in enumerate(accept[: len(self.ms) - 1], start=1):
             reach *= a
             expected += reach
-            rate = expected / (draft_ms + self.ms[i])
+            rate = expected / (draft_ms + self.cost(i + 1))
             if rate > best_rate:
                 best, best_rate = i, rate
         return best
@@ -52,8 +74,7 @@ class VerifyCosts:
         """A row's round pays if, at its recent (accepted, proposed) per drafted round (:meth:`RowGain.expected`),
         it commits tokens at least as fast as plain steps: (1 + accepted) / (draft_ms + T(proposed + 1)) ≥ 1 / T(1)."""
         accepted, proposed = gain
-        width = min(round(proposed), len(self.ms) - 1)
-        return (1 + accepted) * self.ms[0] >= draft_ms + self.ms[width]
+        return (1 + accepted) * self.cost(1) >= draft_ms + self.cost(round(proposed) + 1)
 
 
 @dataclass

@@ -203,7 +203,7 @@ class Engine:
         here (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
         if adaptive and drafter.draft_tokens:
-            drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1)))
+            drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1), padded=runner.width))
         self.free = list(range(runner.slots))
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -291,6 +291,8 @@ class Engine:
         t1 = now(device)
         logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
         t2 = now(device)
+        if self.drafter.costs is not None and len(rows) == 1:  # what a pass of this width costs at this row's context
+            self.drafter.costs.observe(tokens.shape[1], 1000 * (t2 - t1))
         greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
         # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
         read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()

@@ -142,7 +142,8 @@ class Profiler:
         self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
         self.draft_dtype_name = draft_dtype(config.decode.draft_dtype, Drafter(self.spec).to(self.device).eval(), self.model.get_input_embeddings(), log)
         self.draft_dtype = getattr(torch, self.draft_dtype_name)
-        self.mixed_precision = mixed_precision(config.train, self.spec, self.device, log) or "no"
+        # one precision for every stage's timed step: stage 2's (what the training table compares across machines)
+        self.mixed_precision = mixed_precision(stage_plan("stable", config.train), config.train, self.spec, self.device, log) or "no"
         self.k = config.drafter.draft_tokens
         spec = self.spec
         self.target_kv = kv_bytes_per_token(self.arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, self.dtype)

@@ -217,7 +217,8 @@ def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, 
                  repeats: int, teacher=None, warmup: int = 2) -> tuple[float, Drafter]:
     """Median seconds of an optimizer step of ``plan``'s loss on ``sequences`` (e.g. :func:`synthetic_sequences`),
     under ``autocast`` (train.mixed_precision: no, bf16 or fp16), after ``warmup`` steps → (seconds, the drafter it trained)."""
-    drafter = Drafter(dataclasses.replace(spec, history_window=plan.history_window)).to(device)
+    drafter = Drafter(dataclasses.replace(spec, history_window=plan.history_window, sequential_head=spec.sequential_head and plan.sequential_head))
+    drafter = drafter.to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
     weights = position_weights(spec.draft_tokens, train.gamma)
 
@@ -231,22 +232,25 @@ def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, 
     return median_ms(step, repeats, device, warmup) / 1000, drafter
 
 
-def mixed_precision(train: TrainConfig, spec: DrafterSpec, device, log=print) -> str | None:
-    """``train.mixed_precision`` → no, bf16 or fp16, or None: as ``accelerate launch`` was configured (its
-    choice, under a launch, is what auto means).  Otherwise auto is bf16 on a GPU, and on a CPU whichever of a
-    bfloat16-autocast and a float32 step of stage 2 is the faster here (precision.py): with AVX2 alone
-    bfloat16 can be 20× the slower, with AMX or AVX-512 BF16 the faster."""
+def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, device, log=print) -> str | None:
+    """``train.mixed_precision`` for the stage ``plan`` → no, bf16 or fp16, or None: as ``accelerate launch`` was
+    configured (its choice, under a launch, is what auto means).  Otherwise auto is bf16 on a GPU, and on a CPU
+    whichever of a bfloat16-autocast and a float32 step of this stage is the faster here (precision.py): with
+    AVX2 alone bfloat16 can be 20× the slower; with AMX it won or tied stage 2's step and lost the teacher's."""
     if train.mixed_precision != "auto":
         return train.mixed_precision
     if "ACCELERATE_MIXED_PRECISION" in os.environ:
         return None
-    plan = stage_plan("stable", train)
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size, device=device).requires_grad_(False)
     sequences = synthetic_sequences(spec, train)
-    options = {name: lambda name=name: 1000 * step_seconds(plan, train, spec, embed, sequences, device, name, repeats=1, warmup=1)[0]
+    teacher = None
+    if plan.loss == "kl":  # warmup distils a frozen history-aware teacher
+        teacher = Drafter(dataclasses.replace(spec, history_window=train.teacher_window)).to(device).eval().requires_grad_(False)
+    options = {name: lambda name=name: 1000 * step_seconds(plan, train, spec, embed, sequences, device, name, 1, teacher, warmup=1)[0]
                for name in ("no", "bf16")}
-    shapes = {"spec": dataclasses.asdict(spec), **{k: getattr(train, k) for k in ("micro_batch", "max_length", "anchors_per_sample", "target_top_k")}}
-    work = f"a stage-2 training step ({train.micro_batch} × {train.max_length} tokens, {train.anchors_per_sample} anchors each)"
+    shapes = {"stage": dataclasses.asdict(plan), "spec": dataclasses.asdict(spec),
+              **{k: getattr(train, k) for k in ("micro_batch", "max_length", "anchors_per_sample", "target_top_k", "teacher_window")}}
+    work = f"a {plan.name} training step ({train.micro_batch} × {train.max_length} tokens, {train.anchors_per_sample} anchors each)"
     return decide("train.mixed_precision", shapes, options, work, device, log, gpu_choice="bf16")
 
 
@@ -265,7 +269,7 @@ class Trainer:
         if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
         target_config = load_target_config(prepare_target(config.target, log))
-        precision = mixed_precision(self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
+        precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
