@@ -43,14 +43,18 @@ class VerifyCosts:
     padded: int = 1  # passes narrower than this are padded to it (the static path): they cost what it does
     seen: set = field(default_factory=set)  # the widths (index) passes were observed at
 
+    def _index(self, width: int) -> int:
+        """Where T(width) is kept: a pass narrower than ``padded`` is run padded to it."""
+        return min(max(width, self.padded), len(self.ms)) - 1
+
     def cost(self, width: int) -> float:
-        """T(width), ms: a pass narrower than ``padded`` is run padded to it."""
-        return self.ms[min(max(width, self.padded), len(self.ms)) - 1]
+        """T(width), ms."""
+        return self.ms[self._index(width)]
 
     def observe(self, width: int, ms: float) -> None:
         """A batch-1 pass of ``width`` tokens took ``ms``: that width's cost moves toward it, and the widths never
         seen move in proportion, so the curve keeps the shape measured at start-up until each width is seen."""
-        i = min(max(width, self.padded), len(self.ms)) - 1
+        i = self._index(width)
         ratio = (ms / self.ms[i]) ** COST_MEMORY
         self.seen.add(i)
         for j in range(len(self.ms)):
