@@ -8,6 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from dlite_cli.config import load_config
+from dlite_cli.train import Trainer
+
 STAGES = ("train-teacher", "warmup", "stable")
 
 
@@ -50,6 +53,15 @@ def test_micro_pipeline_end_to_end(run_cli, tmp_path):
     assert generated["history"]["draft_kv_bytes"] > 0 == generated["dlite"]["draft_kv_bytes"]
     assert (run / "features" / "manifest.json").is_file()  # computed once, shared by every stage
 
+
+def test_stages_run_in_one_process_each_train_in_the_precision_they_decided(run_cli, tmp_path):
+    # `dlite run` runs every stage in one process, and train.mixed_precision: auto may decide differently per stage
+    run = tmp_path / "run"
+    run_cli("regen", "--target", "micro", "--run-dir", str(run))
+    for stage, precision in (("train-teacher", "no"), ("warmup", "bf16"), ("stable", "no")):
+        trainer = Trainer(load_config("micro", [f"train.mixed_precision={precision}"]), run, stage, log=lambda _: None)
+        assert trainer.accelerator.mixed_precision == precision
+        assert trainer.run(force=False)["steps"] > 0
 
 def test_kill_9_mid_training_resumes_to_the_same_weights(run_cli, cache_dir, tmp_path):
     # on the CPU: bitwise-equal weights need deterministic kernels, and CUDA's attention and gather backward are not

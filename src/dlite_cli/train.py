@@ -260,6 +260,7 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, stage_name: str, log=print):
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
         self.config, self.train, self.run_dir, self.log = config, config.train, Path(run_dir), log
         self.plan = stage_plan(stage_name, config.train)
@@ -270,6 +271,10 @@ class Trainer:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
         target_config = load_target_config(prepare_target(config.target, log))
         precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
+        if precision is not None and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+            # accelerate keeps one precision per process, and stages run in one process (`dlite run`) may each
+            # decide their own: a process that was not launched renews it (its devices and processes are kept)
+            AcceleratorState._reset_state()
         self.accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=precision)
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         per_step = self.train.micro_batch * self.world
