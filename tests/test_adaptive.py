@@ -1,6 +1,7 @@
 """Adaptive draft length: the cost rule, the online calibration, and a row's recent gain."""
 
-from dlite_cli.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, RowGain, VerifyCosts
+from dlite_cli.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, Candidate, RowGain, VerifyCosts
+from dlite_cli.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 
 
 def test_best_length_proposes_while_the_next_token_pays_for_its_verify():
@@ -81,3 +82,15 @@ def test_costs_follow_the_passes_the_engine_runs_at_the_rows_context():
     for _ in range(60):
         padded.observe(1, 40.0)
     assert abs(padded.cost(1) - 40.0) < 0.5 and padded.cost(1) == padded.cost(3) == padded.cost(4)
+
+
+def test_the_hybrid_takes_the_lookup_where_it_commits_more_per_ms_than_the_models_recent_rounds():
+    model = ModelDrafter("dlite", 7, [])
+    hybrid = HybridDrafter(model, NgramDrafter(7), vocab_size=10)
+    model.gain.gains[0], model.draft_ms = (1.2, 7.0), 10.0  # recent rounds: 1.2 of 7 proposals accepted
+    lookup = Candidate([5], [(3, 0)], proposed=1)  # one token after a 3-token match: expected 0.6 accepted
+    assert not hybrid._lookup_first(lookup, 0)  # fixed (no costs): per round, 0.6 < 1.2 tokens
+    hybrid.costs = VerifyCosts([40.0] * 8)  # a wide pass costs a step: (1 + 1.2) / (10 + 40) beats 1.6 / 40
+    assert not hybrid._lookup_first(lookup, 0)
+    hybrid.costs = VerifyCosts([40.0 + 20 * i for i in range(8)])  # each token half a step: 2.2 / 190 < 1.6 / 60
+    assert hybrid._lookup_first(lookup, 0)

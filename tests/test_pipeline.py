@@ -145,8 +145,8 @@ def test_a_launched_stage_runs_under_accelerate_and_dies_with_the_runner(run_cli
     pipeline = tmp_path / "two-processes.yaml"
     pipeline.write_text(f"target: micro\nstages:\n  - name: regen\n  - name: train-teacher\n    launch: {launch}\n")
     run = tmp_path / "launched"
-    # ~30 s: it cannot finish by itself below; cpu-2proc.yaml needs the CPU (gloo), whatever GPUs the machine has
-    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=200", "--set", "target.device=cpu"]
+    # ~210 steps, 15 s: it is killed at its first checkpoint (step 2); cpu-2proc.yaml needs the CPU (gloo), whatever GPUs
+    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=30", "--set", "target.device=cpu"]
     process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "run", str(pipeline), *options], cwd=tmp_path,
                                env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(process, lambda: (run / "train-teacher" / "checkpoint" / "state.pt").exists(), "the launched stage checkpointed")

@@ -18,6 +18,7 @@ from dlite_cli.model import Drafter, DrafterSpec
 from dlite_cli.targets import load_model, prepare_target
 
 CHAT = [{"role": "user", "content": "def parse(self, text):"}]
+FIXED = ("--set", "decode.adaptive=off")
 
 
 def free_port() -> int:
@@ -58,7 +59,9 @@ def start_server(cache_dir, workdir, *args):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, drafter_dir, tmp_path_factory):
-    process, url = start_server(cache_dir, tmp_path_factory.mktemp("serve"), "--drafter", str(drafter_dir),
+    # fixed drafting: adaptive drafting decides from measured times what to propose, and so a request's τ and
+    # which tokens a seed samples (never the greedy text) could differ between this server and `dlite generate`
+    process, url = start_server(cache_dir, tmp_path_factory.mktemp("serve"), "--drafter", str(drafter_dir), *FIXED,
                                 "--max-batch", "2", "--max-queue", "1", "--max-context", "512")
     yield url
     process.terminate()
@@ -81,7 +84,7 @@ def test_models_chat_and_completions_equal_dlite_generate(client, run_cli, draft
     assert model.id == "micro"
     chat = client.chat.completions.create(model="micro", messages=CHAT, max_tokens=20, temperature=0)
     generated = json.loads(run_cli("generate", "--target", "micro", "--drafter", str(drafter_dir), "-p", CHAT[0]["content"],
-                                   "--max-new-tokens", "20", "--json").stdout)
+                                   "--max-new-tokens", "20", *FIXED, "--json").stdout)
     assert chat.choices[0].message.content == generated["text"] and chat.choices[0].finish_reason == generated["finish_reason"]
     assert chat.usage.completion_tokens == generated["generated_tokens"] and chat.usage.prompt_tokens == generated["prompt_tokens"]
     assert chat.model_extra["dlite"]["tau"] == generated["tau"]  # acceptance statistics in the extra field

@@ -74,11 +74,15 @@ class VerifyCosts:
                 best, best_rate = i, rate
         return best
 
+    def rate(self, accepted: float, proposed: float, draft_ms: float) -> float:
+        """Tokens per ms of a round that proposes ``proposed`` tokens, of which ``accepted`` are accepted:
+        (1 + accepted) / (draft_ms + T(proposed + 1))."""
+        return (1 + accepted) / (draft_ms + self.cost(round(proposed) + 1))
+
     def worth_drafting(self, gain: tuple[float, float], draft_ms: float) -> bool:
         """A row's round pays if, at its recent (accepted, proposed) per drafted round (:meth:`RowGain.expected`),
-        it commits tokens at least as fast as plain steps: (1 + accepted) / (draft_ms + T(proposed + 1)) ≥ 1 / T(1)."""
-        accepted, proposed = gain
-        return (1 + accepted) * self.cost(1) >= draft_ms + self.cost(round(proposed) + 1)
+        it commits tokens at least as fast as plain steps: rate(accepted, proposed, draft_ms) ≥ 1 / T(1)."""
+        return self.rate(*gain, draft_ms) * self.cost(1) >= 1
 
 
 @dataclass

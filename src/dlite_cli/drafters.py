@@ -257,8 +257,9 @@ class DLiteAdapter(ModelDrafter):
 
 
 class HybridDrafter(NoDrafter):
-    """``dlite+ngram``: per row and round, prompt lookup's continuation when the tokens it is expected to
-    get accepted are at least the model drafter's recent gain for that row, the model's block otherwise.
+    """``dlite+ngram``: per row and round, prompt lookup's continuation when it is expected to commit tokens
+    at least as fast as the model drafter's recent rounds for that row did (adaptive: per ms, the model's
+    round paying its draft and its wider verify; fixed: per round), the model's block otherwise.
     Lookup reads the token ids the engine holds and DLite keeps no history, so the hybrid holds no draft
     KV cache either; rows that take the lookup cost the model nothing."""
 
@@ -280,7 +281,7 @@ class HybridDrafter(NoDrafter):
         lengths, by_model = [0] * B, []
         for b, row in enumerate(rows):
             candidate = self.lookup.candidate(row)
-            if candidate.proposed and self.lookup.expected_gain(candidate) >= self.model.gain.expected(row.slot)[0]:
+            if candidate.proposed and self._lookup_first(candidate, row.slot):
                 self.lookup.proposed[row.slot] = candidate
                 tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
                 lengths[b] = candidate.proposed
@@ -295,6 +296,13 @@ class HybridDrafter(NoDrafter):
             lengths[b] = draft.lengths[i]
         logits = None if draft.logits is None else one_hot_logits(tokens, self.vocab_size).index_copy_(0, index, draft.logits.to(tokens.device))
         return Draft(tokens, lengths, logits)
+
+    def _lookup_first(self, candidate: Candidate, slot: int) -> bool:
+        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row."""
+        expected, (accepted, proposed) = self.lookup.expected_gain(candidate), self.model.gain.expected(slot)
+        if self.costs is None:
+            return expected >= accepted
+        return self.costs.rate(expected, candidate.proposed, 0.0) >= self.costs.rate(accepted, proposed, self.model.draft_ms)
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
         self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
