@@ -34,6 +34,6 @@ test: $(STAMP)
 # pytest (no venv, no network): the tests on the GPU (less the server's, which need fastapi), the micro
 # pipeline end to end, and the decode profile at Qwen3-4B's shapes.  Not part of `make test`.
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m pytest -q -x --ignore tests/test_serve.py
-	PYTHONPATH=src $(PYTHON) -m dlite_cli run micro --run-dir runs/gpu-check-micro
-	PYTHONPATH=src $(PYTHON) -m dlite_cli profile --target qwen3-4b
+	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m pytest -q -x --ignore tests/test_serve.py
+	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m dlite_cli run micro --run-dir runs/gpu-check-micro
+	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m dlite_cli profile --target qwen3-4b

@@ -16,6 +16,7 @@ import torch
 from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, TargetConfig
 from dlite_cli.model import Drafter, DrafterSpec
+from dlite_cli.runner import decode_path
 from dlite_cli.targets import load_model, prepare_target
 
 BENCH = ["bench", "--target", "micro", "--limit", "1", "--max-new-tokens", "6", "--concurrency", "1,2"]
@@ -177,7 +178,8 @@ def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_pl
                "--set", "target.dtype=bfloat16"]
     subprocess.run(command, cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, check=True, capture_output=True, timeout=600)
     run = tmp_path / "runs" / "micro" / "bench"
-    assert json.loads((run / "manifest.json").read_text())["summary"]["decode_path"] == "static"
+    expected_path = decode_path("auto", DEVICE, torch.bfloat16)  # static on a CPU, graphs on CUDA
+    assert json.loads((run / "manifest.json").read_text())["summary"]["decode_path"] == expected_path
     by_episode = {}
     for record in lines(run / "results.jsonl"):
         by_episode.setdefault(record["episode"], {})[record["method"]] = [t.get("output_sha") for t in record["turns"]]

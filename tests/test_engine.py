@@ -280,11 +280,12 @@ def test_requests_that_cannot_fit_are_refused(micro):
 class SelfDrafter(ModelDrafter):
     """Drafts by sampling the target itself at a sharper temperature: q overlaps p but differs from it.
     With ``vocabulary`` it can propose only those tokens (a reduced draft vocabulary: q = 0 elsewhere);
-    after ``adapt`` it proposes adaptively, as DLite does (its round is taken to cost 1 ms)."""
+    after ``adapt`` it proposes adaptively, as DLite does (its round is taken to cost 1 ms).  Its logits are
+    in ``dtype``, as a drafter's are in its own (bfloat16 on a GPU)."""
 
-    def __init__(self, model, vocabulary=None):
+    def __init__(self, model, vocabulary=None, dtype=torch.float32):
         super().__init__("self", 2, [])
-        self.model, self.vocabulary = model, vocabulary
+        self.model, self.vocabulary, self.dtype = model, vocabulary, dtype
 
     @property
     def _device(self):
@@ -295,7 +296,7 @@ class SelfDrafter(ModelDrafter):
 
     def _model_draft(self, rows, pick):
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
-        logits = torch.zeros(len(rows), self.draft_tokens, self.model.config.vocab_size)
+        logits = torch.zeros(len(rows), self.draft_tokens, self.model.config.vocab_size, dtype=self.dtype)
         for i in range(self.draft_tokens):
             for b, row in enumerate(rows):
                 ids = row.tokens + tokens[b, :i].tolist()
@@ -342,7 +343,8 @@ def sampled_positions(micro, prompt, params, count, path="eager", vocabulary=Non
     """``how``: fixed (K every round), adaptive (cut where the next token does not pay, rows skipped)
     or hybrid (prompt lookup where it is expected to do better, the self-drafter elsewhere)."""
     model, _ = micro
-    drafter = SelfDrafter(model, vocabulary)
+    # adaptive and hybrid rounds mix drafted rows with certain ones: in bfloat16, as a drafter on a GPU drafts
+    drafter = SelfDrafter(model, vocabulary, torch.float32 if how == "fixed" else torch.bfloat16)
     if how == "hybrid":
         drafter = HybridDrafter(drafter, NgramDrafter(2), model.config.vocab_size)
     if how != "fixed":

@@ -41,40 +41,32 @@ def tau_columns(run: Path, table: str) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(word in k for word in timing)} for row in rows]
 
 
-def test_micro_pipeline_runs_every_stage_then_has_nothing_left_to_do(run_cli, tmp_path):
-    first = run_cli("run", "micro")
+def test_micro_pipeline_runs_every_stage_until_and_from_where_asked_then_has_nothing_left_to_do(run_cli, tmp_path):
     run = tmp_path / "runs" / "micro"
-    assert ran(first.stderr) == ["prepare-target", *STAGES]
+    until = run_cli("run", "micro", "--until", "stable")
+    assert ran(until.stderr) == ["prepare-target", "regen", "train-teacher", "warmup", "stable"]
+    assert status(run, "stable") == "done" and status(run, "stable-parallel") is None and status(run, "bench") is None
+    rest = run_cli("run", "micro", "--from", "stable-parallel")
+    assert ran(rest.stderr) == ["stable-parallel", "bench"]
     assert all(status(run, stage) == "done" for stage in STAGES)
     for table in TABLES:
         assert (run / "bench" / f"{table}.md").stat().st_size > 0
     methods = {json.loads(line)["method"] for line in (run / "bench" / "results.jsonl").read_text().splitlines()}
     assert methods == {"ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"}  # every trained drafter was benched
-    assert "wall time per stage" in first.stderr and "total" in first.stderr
+    assert "wall time per stage" in rest.stderr and "total" in rest.stderr
 
     again = run_cli("run", "micro")
     assert again.stderr.count("(done before)") == len(STAGES)
     assert "already done" in again.stderr and "measured 0" in again.stderr  # the bench reused every measurement
 
+    for args, message in ((["--from", "serve"], "has no such stage"), (["--from", "bench", "--until", "regen"], "comes after")):
+        refused = run_cli("run", "micro", *args, check=False)
+        assert refused.returncode == 2 and message in refused.stderr
+
     shown = run_cli("status", "--target", "micro", "--verbose", env={"COLUMNS": "80"}).stdout
     assert max(len(line) for line in shown.splitlines()) <= 80
     steps = json.loads((run / "train-teacher" / "manifest.json").read_text())["summary"]["steps"]
     assert f"{steps}/{steps} steps" in shown and "stable: config " in shown  # a finished stage shows its full count
-
-
-def test_until_stops_and_from_starts_where_asked(run_cli, tmp_path):
-    run = tmp_path / "runs" / "micro"
-    until = run_cli("run", "micro", "--until", "stable")
-    assert ran(until.stderr) == ["prepare-target", "regen", "train-teacher", "warmup", "stable"]
-    assert status(run, "stable") == "done" and status(run, "stable-parallel") is None and status(run, "bench") is None
-
-    rest = run_cli("run", "micro", "--from", "stable-parallel")
-    assert ran(rest.stderr) == ["stable-parallel", "bench"]
-    assert status(run, "bench") == "done"
-
-    for args, message in ((["--from", "serve"], "has no such stage"), (["--from", "bench", "--until", "regen"], "comes after")):
-        refused = run_cli("run", "micro", *args, check=False)
-        assert refused.returncode == 2 and message in refused.stderr
 
 
 def test_a_bad_stage_is_refused_before_anything_runs(run_cli, tmp_path):

@@ -185,7 +185,7 @@ class ModelDrafter(NoDrafter):
         if len(drafted) == B:
             return Draft(draft.tokens, lengths, draft.logits, draft.confidence)
         index = torch.tensor(drafted, device=self._device)
-        logits = None if draft.logits is None else one_hot_logits(tokens, draft.logits.shape[-1]).index_copy_(0, index, draft.logits)
+        logits = None if draft.logits is None else one_hot_logits(tokens, draft.logits.shape[-1], draft.logits.dtype).index_copy_(0, index, draft.logits)
         return Draft(tokens.index_copy_(0, index, draft.tokens), lengths, logits)
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
@@ -294,7 +294,7 @@ class HybridDrafter(NoDrafter):
         tokens.index_copy_(0, index, draft.tokens.to(tokens.device))
         for i, b in enumerate(by_model):
             lengths[b] = draft.lengths[i]
-        logits = None if draft.logits is None else one_hot_logits(tokens, self.vocab_size).index_copy_(0, index, draft.logits.to(tokens.device))
+        logits = None if draft.logits is None else one_hot_logits(tokens, self.vocab_size, draft.logits.dtype).index_copy_(0, index, draft.logits.to(tokens.device))
         return Draft(tokens, lengths, logits)
 
     def _lookup_first(self, candidate: Candidate, slot: int) -> bool:
@@ -333,9 +333,10 @@ def draft_dtype(setting: str, drafter: Drafter, embed, log=print) -> str:
                   drafter.norm.weight.device, log)
 
 
-def one_hot_logits(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits (B, K, V) of proposals that are certain: 0 at each token, −inf elsewhere (q is a point mass)."""
-    logits = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device)
+def one_hot_logits(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits (B, K, V) of proposals that are certain: 0 at each token, −inf elsewhere (q is a point mass), in
+    ``dtype`` (a model drafter's, where its rows' logits are copied in)."""
+    logits = torch.full((*tokens.shape, vocab_size), float("-inf"), device=tokens.device, dtype=dtype)
     return logits.scatter_(-1, tokens[..., None], 0.0)
 
 

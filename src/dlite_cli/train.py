@@ -232,6 +232,11 @@ def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, 
     return median_ms(step, repeats, device, warmup) / 1000, drafter
 
 
+def launched() -> bool:
+    """Whether ``accelerate launch`` started this process (it sets the precision it was configured with)."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
 def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, device, log=print) -> str | None:
     """``train.mixed_precision`` for the stage ``plan`` → no, bf16 or fp16, or None: as ``accelerate launch`` was
     configured (its choice, under a launch, is what auto means).  Otherwise auto is bf16 on a GPU, and on a CPU
@@ -239,7 +244,7 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
     AVX2 alone bfloat16 can be 20× the slower; with AMX it won or tied stage 2's step and lost the teacher's."""
     if train.mixed_precision != "auto":
         return train.mixed_precision
-    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+    if launched():
         return None
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size, device=device).requires_grad_(False)
     sequences = synthetic_sequences(spec, train)
@@ -271,7 +276,7 @@ class Trainer:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
         target_config = load_target_config(prepare_target(config.target, log))
         precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
-        if precision is not None and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        if precision is not None and not launched():
             # accelerate keeps one precision per process, and stages run in one process (`dlite run`) may each
             # decide their own: a process that was not launched renews it (its devices and processes are kept)
             AcceleratorState._reset_state()
