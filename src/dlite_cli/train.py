@@ -51,6 +51,11 @@ class StagePlan:
     init_from: str | None  # stage whose export initialises the drafter (warmup: also the frozen teacher)
     sequential_head: bool = True  # False: the pure-parallel ablation, whatever drafter.sequential_head says
 
+    def drafter_spec(self, spec: DrafterSpec) -> DrafterSpec:
+        """The drafter this stage trains, from the drafter config's ``spec``: the stage's history window, and no
+        sequential head in the pure-parallel ablation."""
+        return dataclasses.replace(spec, history_window=self.history_window, sequential_head=spec.sequential_head and self.sequential_head)
+
 
 def stage_plan(name: str, train: TrainConfig) -> StagePlan:
     # the single-stage runs get the epochs of the stage-2 drafter they are compared with
@@ -217,8 +222,7 @@ def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, 
                  repeats: int, teacher=None, warmup: int = 2) -> tuple[float, Drafter]:
     """Median seconds of an optimizer step of ``plan``'s loss on ``sequences`` (e.g. :func:`synthetic_sequences`),
     under ``autocast`` (train.mixed_precision: no, bf16 or fp16), after ``warmup`` steps → (seconds, the drafter it trained)."""
-    drafter = Drafter(dataclasses.replace(spec, history_window=plan.history_window, sequential_head=spec.sequential_head and plan.sequential_head))
-    drafter = drafter.to(device)
+    drafter = Drafter(plan.drafter_spec(spec)).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr)
     weights = position_weights(spec.draft_tokens, train.gamma)
 
@@ -250,7 +254,7 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
     sequences = synthetic_sequences(spec, train)
     teacher = None
     if plan.loss == "kl":  # warmup distils a frozen history-aware teacher
-        teacher = Drafter(dataclasses.replace(spec, history_window=train.teacher_window)).to(device).eval().requires_grad_(False)
+        teacher = Drafter(stage_plan(plan.init_from, train).drafter_spec(spec)).to(device).eval().requires_grad_(False)
     options = {name: lambda name=name: 1000 * step_seconds(plan, train, spec, embed, sequences, device, name, 1, teacher, warmup=1)[0]
                for name in ("no", "bf16")}
     shapes = {"stage": dataclasses.asdict(plan), "spec": dataclasses.asdict(spec),
@@ -304,8 +308,8 @@ class Trainer:
         target = prepare_target(self.config.target, self.log)
         work = Work("batched", self.train.target_batch)  # the feature pass; training reads only the embeddings
         self.target_model = load_model(target, self.config.target.dtype, self.accelerator.device, self.log, work).requires_grad_(False)
-        drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.config.drafter.sequential_head and self.plan.sequential_head)
-        self.spec = DrafterSpec.for_target(self.target_model.config, drafter_config, self.plan.history_window)
+        self.spec = self.plan.drafter_spec(DrafterSpec.for_target(self.target_model.config, self.config.drafter, 0))
+        drafter_config = dataclasses.replace(self.config.drafter, sequential_head=self.spec.sequential_head)
         inputs = {"target": target.fingerprint, "regen": regen["config_hash"], "init": init and init["config_hash"]}
         recorded = {"train": dataclasses.asdict(self.train), "drafter": dataclasses.asdict(drafter_config), "plan": dataclasses.asdict(self.plan)}
         digest = config_hash(recorded, inputs)
