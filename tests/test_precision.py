@@ -24,13 +24,19 @@ def test_the_rule_takes_whichever_option_its_own_timings_favour():
     assert fastest({"float32": 5.0, "bfloat16": 5.0}) == "float32"  # a tie keeps the first named
 
 
+def test_each_option_keeps_its_best_of_two_timings_taken_in_mirrored_order():
+    timings = {"float32": iter([30.0, 31.0]), "bfloat16": iter([90.0, 20.0])}  # bfloat16's first timing hit a passing load
+    ms = precision.measure({name: lambda times=times: next(times) for name, times in timings.items()})
+    assert ms == {"float32": 30.0, "bfloat16": 20.0} and fastest(ms) == "bfloat16"
+
+
 def test_a_decision_is_measured_once_per_machine_remembered_and_printed_with_both_timings(cache_dir):
     lines, calls = [], []
     options = {"float32": lambda: calls.append("float32") or 30.0, "bfloat16": lambda: calls.append("bfloat16") or 20.0}
     start = precision.mark()
     key = {"test": "remembered", "cache": str(cache_dir)}
     assert decide("decode.draft_dtype", key, options, "a draft round", CPU, lines.append) == "bfloat16"
-    assert calls == ["float32", "bfloat16"]
+    assert calls == ["float32", "bfloat16", "bfloat16", "float32"]
     (line,) = lines
     assert "30.0 ms in float32" in line and "20.0 ms in bfloat16" in line and "using bfloat16" in line
     record = Path(line.split("remembered in ")[1].removesuffix(")"))  # the session's cache holds other tests' decisions

@@ -12,7 +12,9 @@ of 8 tokens may cost 1.5 steps, that cuts the proposals a weak drafter would was
 pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row is drafted at all only while
 its recent drafted rounds, at the lengths they proposed, commit tokens faster than plain steps would
 (:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
-than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  The
+than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  A new
+row starts where recent rows ended, so short turns (a chat's, 32 tokens in the bench) do not each
+relearn that drafting does not pay.  The
 draft round's cost is measured at start-up, warm, like the verify costs.  Any such rule leaves the
 output exact: it depends only on the drafter's side.
 """
@@ -29,6 +31,7 @@ GAIN_DECAY = 0.9
 # never pays, a probe costs at most the threshold's worth of a step every (1 − GAIN_DECAY)·threshold /
 # GAIN_HOPE rounds: about GAIN_HOPE / (1 − GAIN_DECAY) = 5 % of plain decoding, far less when it nearly pays.
 GAIN_HOPE = 0.005
+ROW_MEMORY = 0.5  # how far an ended row's last gain moves where new rows start (about the last 2 rows)
 COST_MEMORY = 0.1  # how far one batch-1 pass the engine ran moves the cost of its width (about the last 10)
 
 
@@ -129,24 +132,32 @@ class Candidate:
 
 @dataclass
 class RowGain:
-    """Per row, recently: accepted drafts and proposed tokens per drafted round (starts hopeful, one of one,
-    so every row is drafted first)."""
+    """Per row, recently: accepted drafts and proposed tokens per drafted round.  A row starts from ``start``,
+    where recent rows ended (the first starts hopeful, one of one, so it is drafted); a row skipped to its end
+    carries its recovered hope on, so that later rows are probed again."""
 
     gains: dict = field(default_factory=dict)  # slot → (accepted, proposed) per drafted round, decayed
     drafting: set = field(default_factory=set)  # slots drafted this round, until their outcome is known
+    start: tuple[float, float] = (1.0, 1.0)  # where a new row starts
 
     def expected(self, slot: int) -> tuple[float, float]:
-        return self.gains.setdefault(slot, (1.0, 1.0))
+        return self.gains.setdefault(slot, self.start)
 
     def drafted(self, slot: int, accepted: int, proposed: int) -> None:
         self.drafting.discard(slot)
-        was_accepted, was_proposed = self.expected(slot)
-        self.gains[slot] = (GAIN_DECAY * was_accepted + (1 - GAIN_DECAY) * accepted, GAIN_DECAY * was_proposed + (1 - GAIN_DECAY) * proposed)
+        self.gains[slot] = _toward(self.expected(slot), (accepted, proposed), 1 - GAIN_DECAY)
 
     def skipped(self, slot: int) -> None:
         accepted, proposed = self.expected(slot)
         self.gains[slot] = (accepted + GAIN_HOPE, proposed)
 
     def forget(self, slot: int) -> None:
-        self.gains.pop(slot, None)
+        """The row in ``slot`` ended: where it ended moves where new rows start."""
+        if slot in self.gains:
+            self.start = _toward(self.start, self.gains.pop(slot), ROW_MEMORY)
         self.drafting.discard(slot)
+
+
+def _toward(old: tuple[float, float], new: tuple[float, float], weight: float) -> tuple[float, float]:
+    """``old`` moved ``weight`` of the way to ``new``, element by element."""
+    return tuple(o + weight * (n - o) for o, n in zip(old, new))

@@ -12,7 +12,9 @@ On a GPU ``auto`` is bfloat16 for all four, unmeasured.  On a CPU the answer dep
 AVX-512 BF16 bfloat16 is often the faster, with AVX2 alone it is several times slower at batched work while a
 single decode step may still be quicker.  A decision is measured once per machine (and per shape that
 matters), remembered in the dlite cache, printed as one line with both timings, and recorded in the manifest
-of the stage that asked for it (:func:`made`).  An explicit value in a config or ``--set`` is never measured.
+of the stage that asked for it (:func:`made`).  Each option is timed twice, in mirrored order, and keeps its best
+(:func:`measure`), so that a passing load (just after an install: a bfloat16 pass once timed 498 ms, 155 ms
+minutes later) does not decide for the machine.  An explicit value in a config or ``--set`` is never measured.
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def fastest(ms: dict[str, float]) -> str:
     return min(ms, key=ms.get)
 
 
+def measure(options: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """Each option's best of two timings, taken in the order A B B A: a load that comes and goes, or a machine
+    that speeds up or slows down while it is measured, then favours neither option."""
+    ms: dict[str, float] = {}
+    for name in [*options, *reversed(options)]:
+        ms[name] = round(min(options[name](), ms.get(name, float("inf"))), 2)
+    return ms
+
+
 def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], work: str, device: torch.device,
            log=print, gpu_choice: str = GPU_CHOICE) -> str:
     """``setting`` auto → the option of ``options`` (name → a function timing the work in ms) that is fastest
@@ -72,7 +83,7 @@ def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], wor
         if record.is_file():
             decision = Decision(**json.loads(record.read_text()))
         else:
-            ms = {name: round(time_it(), 2) for name, time_it in options.items()}
+            ms = measure(options)
             decision = Decision(setting, fastest(ms), ms, work, machine)
             atomic_write_json(record, dataclasses.asdict(decision))
         remembered = str(record)
