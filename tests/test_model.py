@@ -6,7 +6,7 @@ from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, MicroConfig, TargetConfig, load_config
 from dlite_cli.errors import DliteError
 from dlite_cli.features import LayerCapture, Sequence, target_pass
-from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, select_layers
+from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, History, select_layers
 from dlite_cli.targets import load_model, prepare_target
 from dlite_cli.train import anchor_batch, batch_loss, Trainer
 
@@ -75,6 +75,26 @@ def test_w0_is_history_free_and_the_teacher_is_not(target):
             outputs[window, label] = drafter(batch.context, batch.tokens, target.get_input_embeddings(), batch.previous, **batch.history)
     assert torch.equal(outputs[0, "original"], outputs[0, "changed"])
     assert not torch.allclose(outputs[FULL_HISTORY, "original"], outputs[FULL_HISTORY, "changed"])
+
+
+@pytest.mark.parametrize("window", [3, FULL_HISTORY])
+def test_anchors_reading_one_shared_history_see_what_each_would_see_alone(target, window):
+    """Training passes one sequence's history (1, T) for all its anchors, read in place through a mask; it
+    gives what a copy of the history per anchor (the engine's layout) gives."""
+    drafter = make(target, window).to(DEVICE)
+    batch = anchor_batch(sequence_of(target, list(range(10, 40))), torch.tensor([5, 12, 20, 28]), K, window).to(DEVICE)
+    embed = target.get_input_embeddings()
+    shared = drafter.history(**batch.history)
+    copied = History([(k.expand(4, -1, -1, -1), v.expand(4, -1, -1, -1)) for k, v in shared.kv], shared.mask, shared.anchors)
+    assert shared.kv[0][0].shape[0] == 1
+    with torch.no_grad():
+        at_once = drafter.hidden(batch.context, batch.tokens, embed, shared)
+        per_anchor = drafter.hidden(batch.context, batch.tokens, embed, copied)
+        alone = drafter.hidden(batch.context[2:3], batch.tokens[2:3], embed,
+                               History(shared.kv, shared.mask[2:3], shared.anchors[2:3]))
+    assert at_once.shape == (4, K, target.config.hidden_size)
+    torch.testing.assert_close(at_once, per_anchor)
+    torch.testing.assert_close(at_once[2:3], alone)
 
 
 def test_sliding_window_sees_only_the_last_w_positions(target):

@@ -181,7 +181,7 @@ class Attention(nn.Module):
 
     def forward(self, x, slots, rope_q, rope_slots, history_kv=None, mask=None):
         """x (B, Q, H) queries; slots (B, C, H) context slots; history_kv optional (keys, values)
-        (B or 1, kv_heads, T, d) already rotated; mask (B, 1, 1, T+C+Q) bool or None → (B, Q, H)."""
+        (B, kv_heads, T, d) already rotated; mask broadcastable to (B, 1, Q, T+C+Q) bool, or None → (B, Q, H)."""
         B, Q, _ = x.shape
         q = self.q_proj(x).view(B, Q, self.heads, self.head_dim)
         if self.qk_norm:
@@ -191,8 +191,8 @@ class Attention(nn.Module):
         k_x, v_x = self.keys_values(x, rope_q)
         keys, values = [k_slots, k_x], [v_slots, v_x]
         if history_kv is not None:
-            keys.insert(0, history_kv[0].expand(B, -1, -1, -1))
-            values.insert(0, history_kv[1].expand(B, -1, -1, -1))
+            keys.insert(0, history_kv[0])
+            values.insert(0, history_kv[1])
         out = F.scaled_dot_product_attention(
             q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, enable_gqa=self.heads != self.kv_heads
         )
@@ -229,12 +229,24 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def shared_history_mask(visible: torch.Tensor, slots: int, queries: int) -> torch.Tensor:
+    """Which keys each query may read when B anchors' queries form one row over one shared history:
+    visible (B, T), anchor b's history positions → (1, 1, B·Q, T + B·C + B·Q) bool over [history; every anchor's
+    C slots; every anchor's Q queries], each anchor seeing its own slots and queries only.  The history is
+    read in place, never copied per anchor (at Qwen3-4B shapes a copy per anchor was ≈ 8.6 GB of keys a layer)."""
+    B = visible.shape[0]
+    own = torch.eye(B, dtype=torch.bool, device=visible.device).repeat_interleave(queries, dim=0)  # (B·Q, B)
+    rows = [visible.repeat_interleave(queries, dim=0), own.repeat_interleave(slots, dim=1), own.repeat_interleave(queries, dim=1)]
+    return torch.cat(rows, dim=1)[None, None]
+
+
 @dataclass
 class History:
     """What a history-aware drafter (W ≠ 0) reads besides the pivot: its draft KV cache.
 
-    kv         per drafter layer, (keys, values) each (B or 1, kv_heads, T, d); keys rotated at
-               the absolute positions 0..T−1 of the positions they encode
+    kv         per drafter layer, (keys, values) each (B, kv_heads, T, d), or (1, kv_heads, T, d): one
+               sequence's, shared by all B anchors (training); keys rotated at the absolute positions
+               0..T−1 of the positions they encode
     mask       (B, T) bool: True where row b's anchor may attend to position t
     anchors    (B,) long: each row's absolute anchor position
     """
@@ -397,10 +409,6 @@ class Drafter(nn.Module):
         origin = history.anchors[:, None] - (G - 1) if history is not None else torch.zeros(B, 1, dtype=torch.long, device=device)
         query_positions = origin + torch.arange(G + K, device=device)
         slot_positions = (origin + spec.context_position).expand(-1, slots.shape[1])
-        mask = None
-        if history is not None:
-            visible_rest = torch.ones(B, slots.shape[1] + G + K, dtype=torch.bool, device=device)
-            mask = torch.cat([history.mask, visible_rest], dim=1)[:, None, None, :]
         with torch.no_grad():  # the target's table is frozen, whatever its requires_grad says
             embedded = embed(tokens).to(dtype)
             if spec.mask_token_id >= 0:
@@ -410,9 +418,17 @@ class Drafter(nn.Module):
         x = torch.cat([embedded, placeholders], dim=1)
         rope_q = rope(query_positions, spec.head_dim, spec.rope_theta)
         rope_slots = rope(slot_positions, spec.head_dim, spec.rope_theta)
+        mask, shared = None, history is not None and history.kv[0][0].shape[0] < B
+        if shared:  # one sequence's history read by every anchor: the anchors become one row
+            mask = shared_history_mask(history.mask, slots.shape[1], G + K)
+            x, slots = x.reshape(1, B * (G + K), -1), slots.reshape(1, -1, slots.shape[-1])
+            rope_q, rope_slots = [tuple(t.reshape(1, -1, t.shape[-1]) for t in r) for r in (rope_q, rope_slots)]
+        elif history is not None:
+            visible_rest = torch.ones(B, slots.shape[1] + G + K, dtype=torch.bool, device=device)
+            mask = torch.cat([history.mask, visible_rest], dim=1)[:, None, None, :]
         for index, layer in enumerate(self.layers):
             x = layer(x, slots, rope_q, rope_slots, history.kv[index] if history is not None else None, mask)
-        return self.norm(x[:, G:])
+        return self.norm(x.view(B, G + K, -1)[:, G:])
 
     def _seed(self, tokens):
         """The token before the anchor (B,), which primes the sequential head's state when G > 1; else None."""
