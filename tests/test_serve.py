@@ -62,7 +62,7 @@ def server(cache_dir, drafter_dir, tmp_path_factory):
     # fixed drafting: adaptive drafting decides from measured times what to propose, and so a request's τ and
     # which tokens a seed samples (never the greedy text) could differ between this server and `dlite generate`
     process, url = start_server(cache_dir, tmp_path_factory.mktemp("serve"), "--drafter", str(drafter_dir), *FIXED,
-                                "--max-batch", "2", "--max-queue", "1", "--max-context", "512")
+                                "--max-batch", "2", "--max-queue", "1", "--max-context", "512", "--max-tokens", "40")
     yield url
     process.terminate()
     process.wait(timeout=30)
@@ -91,6 +91,9 @@ def test_models_chat_and_completions_equal_dlite_generate(client, run_cli, draft
     completion = client.completions.create(model="micro", prompt="import os\n", max_tokens=12, temperature=0)
     assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"
     assert isinstance(completion.choices[0].text, str)
+    unbounded = client.chat.completions.create(model="micro", messages=CHAT, temperature=0)  # --max-tokens 40, not the room left
+    bounded = client.chat.completions.create(model="micro", messages=CHAT, max_tokens=40, temperature=0)
+    assert unbounded.usage.completion_tokens <= 40 and unbounded.choices[0].message.content == bounded.choices[0].message.content
     two_turns = CHAT + [{"role": "assistant", "content": chat.choices[0].message.content}, {"role": "user", "content": "again"}]
     follow_up = client.chat.completions.create(model="micro", messages=two_turns, max_tokens=5, temperature=0)
     assert follow_up.usage.prompt_tokens > chat.usage.prompt_tokens + chat.usage.completion_tokens

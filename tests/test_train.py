@@ -123,6 +123,6 @@ def test_two_process_accelerate_launch_on_cpu(run_cli, cache_dir, tmp_path):
 def test_online_mode_runs_the_target_inside_the_loop(run_cli, tmp_path):
     run = tmp_path / "runs" / "micro"
     run_cli("regen", "--target", "micro")
-    run_cli("stable", "--target", "micro", "--from-scratch", "--set", "train.features=online")
+    run_cli("stable", "--target", "micro", "--from-scratch", "--set", "train.features=online", "--set", "train.target_batch=2")  # passes of 2
     assert summary(run, "stable-scratch")["status"] == "done"
     assert not (run / "features").exists()  # nothing cached

@@ -14,6 +14,10 @@ from rich.table import Table
 from .config import DEFAULT_TARGET, Config, load_config
 from .errors import DliteError
 
+# What a chat request without max_tokens may write.  A slot reserves KV cache for its prompt and this many
+# tokens; the room the context leaves (≈ 40 k for Qwen3) made one such request reserve it on every slot.
+DEFAULT_MAX_TOKENS = 2048
+
 app = typer.Typer(
     help="DLite history-free speculative decoding: regenerate data, train drafters, serve and benchmark them.",
     no_args_is_help=True,
@@ -200,12 +204,14 @@ def serve(
     max_batch: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Requests decoded together (default: decode.max_batch).")] = None,
     max_queue: Annotated[int, typer.Option(metavar="N", min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
     max_context: Annotated[Optional[int], typer.Option(metavar="N", min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
+    max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Completion tokens of a chat request that names no max_tokens "
+                                            "(at most the room its prompt leaves): what its slot reserves KV cache for.")] = DEFAULT_MAX_TOKENS,
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
     from .serve import serve as run_server
 
     config = _load(target, set_)
-    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, log)
+    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, log)
 
 
 @app.command()

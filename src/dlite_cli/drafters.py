@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
 from .devices import median_ms
@@ -342,7 +343,9 @@ def one_hot_logits(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = t
 
 class HistoryAdapter(DLiteAdapter):
     """A W ≠ 0 checkpoint (the teacher, or a sliding window): keeps, per row, a draft KV cache of
-    per-layer keys/values over every history position, extended as tokens are accepted."""
+    per-layer keys/values over every history position, extended as tokens are accepted.  A row's cache
+    holds what it needs, grown by doubling up to ``capacity`` (allocated up front it was ≈ 840 MB a row
+    for Qwen3 in bfloat16)."""
 
     needs_all_features = True
 
@@ -355,15 +358,18 @@ class HistoryAdapter(DLiteAdapter):
     def begin(self, row, prompt_features) -> None:
         """prompt_features (P, S, H): positions 0..P−2 are history, P−1 is the pivot."""
         spec = self.drafter.spec
-        shape = (1, spec.num_kv_heads, self.capacity, spec.head_dim)
-        zeros = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(2 * spec.num_layers)]
-        self.cache[row.slot] = (zeros[: spec.num_layers], zeros[spec.num_layers :], 0)
+        shape = (1, spec.num_kv_heads, 0, spec.head_dim)
+        empty = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(2 * spec.num_layers)]
+        self.cache[row.slot] = (empty[: spec.num_layers], empty[spec.num_layers :], 0)
         self.extend(row, prompt_features[:-1])
 
     @torch.no_grad()
     def extend(self, row, features) -> None:
         """features (n, S, H) of the next n history positions."""
         keys, values, length = self.cache[row.slot]
+        if length + len(features) > keys[0].shape[2]:
+            grown = max(length + len(features), min(self.capacity, 2 * keys[0].shape[2]))
+            keys, values = [[F.pad(t, (0, 0, 0, grown - t.shape[2])) for t in ts] for ts in (keys, values)]
         if len(features):
             new = self.drafter.history_kv(features.to(self._dtype).flatten(1)[None], start=length)
             for layer, (k, v) in enumerate(new):

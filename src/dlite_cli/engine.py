@@ -17,7 +17,6 @@ its slot before the next round (continuous batching).  τ = tokens committed per
 from __future__ import annotations
 
 import random
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -317,9 +316,9 @@ class Engine:
         extend_seconds = 0.0
         for b, (row, (n, next_token)) in enumerate(zip(rows, outcomes)):
             if self.drafter.needs_all_features:  # the old pivot, the anchor and all accepted drafts but the last are history now
-                start = time.perf_counter()
+                start = now(device)
                 self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], :n]]))
-                extend_seconds += time.perf_counter() - start
+                extend_seconds += now(device) - start  # draft-KV upkeep is draft time, on the same synchronised clock
             row.pivot = pivots[b]
             self._emit(row, read[b][3 : 3 + n] + [next_token])
         t3 = now(device)

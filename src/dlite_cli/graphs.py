@@ -24,12 +24,15 @@ class CudaGraphs:
 
     ``fn`` must be a fixed-shape computation of its tensor inputs (no host reads); everything else it
     touches (weights, a KV cache) must stay at the same address while the graph lives — call
-    :meth:`clear` when it moves.  Returned tensors are valid until the next ``run`` with the same key.
+    :meth:`clear` when it moves.  The graphs share one memory pool, so that each key does not keep its
+    own intermediates: returned tensors are valid until the next ``run``, of any key.  Each graph is
+    captured on its inputs' device, whichever device is current (a server's worker thread, ``cuda:1``).
     """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.captured: dict = {}  # key → (input buffers, graph, outputs)
+        self.pool = None  # the graphs' shared memory pool, made at the first capture
 
     @torch.no_grad()
     def run(self, key, fn, *inputs: torch.Tensor):
@@ -45,17 +48,20 @@ class CudaGraphs:
 
     def clear(self) -> None:
         self.captured.clear()
+        self.pool = None
 
-    @staticmethod
-    def _capture(fn, inputs):
+    def _capture(self, fn, inputs):
         buffers = [x.clone() for x in inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up outside the graph: lazy initialisation, kernel choice
-            for _ in range(2):
-                fn(*buffers)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = fn(*buffers)
+        with torch.cuda.device(buffers[0].device):
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up outside the graph: lazy initialisation, kernel choice
+                for _ in range(2):
+                    fn(*buffers)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = fn(*buffers)
         return buffers, graph, outputs

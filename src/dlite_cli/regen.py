@@ -85,6 +85,9 @@ class HFBackend:
         eos = model.generation_config.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
+    def close(self) -> None:
+        pass  # the model is the caller's
+
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
         import torch
 
@@ -129,6 +132,9 @@ class OpenAIBackend:
             self.model = model or self.client.get("/models").raise_for_status().json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise DliteError(f"the server at {base_url} did not list a model on GET /models ({e})") from None
+
+    def close(self) -> None:
+        self.client.close()
 
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
         room = [self.regen.max_length - len(ids) for ids in prompt_ids]
@@ -178,6 +184,10 @@ class SGLangBackend:
             raise DliteError("the sglang backend needs SGLang installed (pip install 'dlite-cli[sglang]') on a GPU machine") from None
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, random_seed=regen.seed, skip_tokenizer_init=True)
         self.tokenizer, self.regen = tokenizer, regen
+
+    def close(self) -> None:
+        """Stop the engine's processes and free the GPU they hold, for the stages that run after regen in this process."""
+        self.engine.shutdown()
 
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
         params = [
@@ -262,14 +272,17 @@ def run_regen(
             "sglang": lambda: SGLangBackend(target.path, tokenizer, regen, config.target.dtype),  # SGLang knows auto too
         }[regen.backend]()
         started, new_tokens, rate = time.time(), 0, 0.0
-        with progress_bar("regen", total=len(prompts), completed=done) as bar:
-            for c in mine:
-                for records in _run_chunk(c, chunks[c], chunks_dir, generator, tokenizer, config, regen):
-                    done += len(records)
-                    new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and r.get("labels") != "target")
-                    rate = new_tokens / (time.time() - started)
-                    bar.update(advance=len(records), description=f"regen {rate:.0f} tok/s")
-                    stage.update(progress={"done": done, "total": len(prompts), "unit": "prompts"})
+        try:
+            with progress_bar("regen", total=len(prompts), completed=done) as bar:
+                for c in mine:
+                    for records in _run_chunk(c, chunks[c], chunks_dir, generator, tokenizer, config, regen):
+                        done += len(records)
+                        new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and r.get("labels") != "target")
+                        rate = new_tokens / (time.time() - started)
+                        bar.update(advance=len(records), description=f"regen {rate:.0f} tok/s")
+                        stage.update(progress={"done": done, "total": len(prompts), "unit": "prompts"})
+        finally:
+            generator.close()
         log(f"generated {new_tokens} tokens in {time.time() - started:.1f} s ({rate:.1f} tok/s, backend {regen.backend}; kept original responses not counted)")
     return _finalize(stage, chunks, chunks_dir, source_skips, shard, log)
 

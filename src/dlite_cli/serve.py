@@ -284,8 +284,9 @@ def resident_memory() -> int:
 # ---------------------------------------------------------------- the HTTP app
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool = False, max_queue: int = 64):
-    """The FastAPI app serving ``engine`` (which it drives from its own worker thread)."""
+def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_queue: int, max_tokens: int):
+    """The FastAPI app serving ``engine`` (which it drives from its own worker thread); ``max_tokens``: a chat
+    request's completion tokens when it names none (a completion's: 16, as OpenAI's)."""
     app = FastAPI(title="dlite", docs_url=None, redoc_url=None)
     worker = Worker(engine, max_queue)
     created = int(time.time())
@@ -341,18 +342,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool = Fals
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
         return body
 
-    def engine_request(body: Sampling, prompt_ids: list[int], max_tokens: int | None, default_max: int | None) -> Request:
+    def engine_request(body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int) -> Request:
         room = engine.runner.capacity - len(prompt_ids) - engine.drafter.draft_tokens - 2
         if room < 1:
             raise ApiError(400, f"this model's maximum context is {engine.runner.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
-        if max_tokens is None:
-            max_tokens = min(default_max or room, room)
-        if not 1 <= max_tokens <= room:
-            raise ApiError(400, f"max_tokens must be between 1 and {room} for this prompt of {len(prompt_ids)} tokens (context {engine.runner.capacity}), got {max_tokens}", param="max_tokens")
+        if requested is None:
+            requested = min(default_max, room)
+        if not 1 <= requested <= room:
+            raise ApiError(400, f"max_tokens must be between 1 and {room} for this prompt of {len(prompt_ids)} tokens (context {engine.runner.capacity}), got {requested}", param="max_tokens")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop must be at most 4 non-empty strings", param="stop")
-        params = SamplingParams(max_tokens, body.temperature, body.top_p, body.top_k, stops, body.seed)
+        params = SamplingParams(requested, body.temperature, body.top_p, body.top_k, stops, body.seed)
         request = Request(prompt_ids, params)
         try:
             engine.validate(request)
@@ -442,8 +443,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool = Fals
             prompt_ids = chat_prompt_ids(tokenizer, messages, bool(options.get("enable_thinking", thinking)))
         except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
             raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = engine_request(body, prompt_ids, max_tokens, default_max=None)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        request = engine_request(body, prompt_ids, requested, default_max=max_tokens)
 
         def chunk(identifier, text, finish, first=False):
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
@@ -472,14 +473,15 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | None, max_queue: int, max_context: int | None, log) -> None:
+def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | None, max_queue: int, max_context: int | None,
+          max_tokens: int, log) -> None:
     """Load the target and drafter, then serve until interrupted."""
     import uvicorn
 
     from .engine import load_engine
 
     engine, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log)
-    app = create_app(engine, tokenizer, config.name, config.target.thinking, max_queue)
+    app = create_app(engine, tokenizer, config.name, config.target.thinking, max_queue, max_tokens)
     log(f"serving {config.name} with drafter {drafter} ({len(engine.free)} slots, context {engine.runner.capacity}, "
         f"{engine.runner.path} decoding on {engine.runner.device}) "
         f"on http://{host}:{port}/v1")
