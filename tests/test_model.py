@@ -6,7 +6,7 @@ from conftest import DEVICE
 from dlite_cli.config import DrafterConfig, MicroConfig, TargetConfig, load_config
 from dlite_cli.errors import DliteError
 from dlite_cli.features import LayerCapture, Sequence, target_pass
-from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, History, select_layers
+from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec, History, grouped_attention, select_layers
 from dlite_cli.targets import load_model, prepare_target
 from dlite_cli.train import anchor_batch, batch_loss, Trainer
 
@@ -95,6 +95,17 @@ def test_anchors_reading_one_shared_history_see_what_each_would_see_alone(target
     assert at_once.shape == (4, K, target.config.hidden_size)
     torch.testing.assert_close(at_once, per_anchor)
     torch.testing.assert_close(at_once[2:3], alone)
+
+
+def test_grouped_queries_folded_onto_their_kv_head_attend_as_grouped_attention():
+    """The fold CUDA uses under a mask (a group's queries as extra rows of its K/V head, so a fused kernel runs)
+    computes what SDPA's enable_gqa does: per row's own mask, in the verify's layout and the shared-history one."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 9, 5, 16), torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
+    causal = (torch.arange(40) <= torch.tensor([[30], [12]])[:, :, None] + torch.arange(5)[:, None])[:, None]  # (B, 1, Q, T)
+    per_row = torch.rand(2, 1, 1, 40) > 0.3  # (B, 1, 1, T): one row of visible keys for all of a row's queries
+    for mask in (causal, per_row):
+        torch.testing.assert_close(grouped_attention(q, k, v, mask, fold=True), grouped_attention(q, k, v, mask, fold=False))
 
 
 def test_sliding_window_sees_only_the_last_w_positions(target):

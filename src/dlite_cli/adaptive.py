@@ -14,9 +14,8 @@ its recent drafted rounds, at the lengths they proposed, commit tokens faster th
 (:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
 than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  A new
 row starts where recent rows ended, so short turns (a chat's, 32 tokens in the bench) do not each
-relearn that drafting does not pay.  The
-draft round's cost is measured at start-up, warm, like the verify costs.  Any such rule leaves the
-output exact: it depends only on the drafter's side.
+relearn that drafting does not pay.  The draft round's cost is measured at start-up, warm, like the
+verify costs.  Any such rule leaves the output exact: it depends only on the drafter's side.
 """
 
 from __future__ import annotations

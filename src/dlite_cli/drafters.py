@@ -170,7 +170,7 @@ class ModelDrafter(NoDrafter):
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
         if not drafted:
             return Draft(tokens, [0] * B, None)
-        draft = self._model_draft([rows[b] for b in drafted], pick)
+        draft = self._model_draft([rows[b] for b in drafted], for_rows(pick, drafted))
         lengths = [0] * B
         if self.costs is None:
             lengths = [K if b in drafted else 0 for b in range(B)]
@@ -290,7 +290,7 @@ class HybridDrafter(NoDrafter):
                 by_model.append(b)
         if not by_model:
             return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
-        draft = self.model.propose([rows[b] for b in by_model], pick)
+        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model))
         index = torch.tensor(by_model, device=tokens.device)
         tokens.index_copy_(0, index, draft.tokens.to(tokens.device))
         for i, b in enumerate(by_model):
@@ -311,6 +311,12 @@ class HybridDrafter(NoDrafter):
 
     def end(self, row) -> None:
         self.model.end(row)
+
+
+def for_rows(pick, indices: list[int]):
+    """``pick`` (greedy_pick, or the engine's SamplingPick for all the round's rows) for the rows ``indices`` alone:
+    a sampling row's proposals are drawn with its own parameters and generator, whichever rows are drafted."""
+    return pick if pick is greedy_pick else pick.subset(indices)
 
 
 def draft_round_ms(drafter: Drafter, embed, repeats: int = 5) -> float:

