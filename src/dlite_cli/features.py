@@ -94,6 +94,17 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
     return out
 
 
+def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
+    """:func:`target_pass` over ``records``, ``batch`` at a time in order of length (little padding) → their
+    Sequences in the records' order."""
+    by_length = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    computed = {}
+    for start in range(0, len(records), batch):
+        part = by_length[start : start + batch]
+        computed.update(zip(part, target_pass(model, capture, [records[i] for i in part], top_k)))
+    return [computed[i] for i in range(len(records))]
+
+
 def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
     """(train, eval): the ``eval_samples`` regenerated records with the smallest id hash are held out for
     simulated τ (measured on what the target itself writes, never on kept original responses)."""
@@ -123,13 +134,7 @@ class FeatureCache:
                 for index, shard in enumerate(shards):
                     if self._shard_path(index).exists():
                         continue
-                    by_length = sorted(range(len(shard)), key=lambda i: len(shard[i]["input_ids"]))  # little padding
-                    computed = {}
-                    for start in range(0, len(shard), train.target_batch):
-                        part = by_length[start : start + train.target_batch]
-                        computed.update(zip(part, target_pass(target_model, capture, [shard[i] for i in part], train.target_top_k)))
-                    sequences = [computed[i] for i in range(len(shard))]
-                    self._write_shard(index, sequences)
+                    self._write_shard(index, target_passes(target_model, capture, shard, train.target_top_k, train.target_batch))
                     done += len(shard)
                     bar.update(advance=len(shard))
                     self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})

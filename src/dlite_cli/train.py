@@ -34,7 +34,7 @@ from .artifacts import Stage, atomic_directory, atomic_write_text
 from .config import Config, TrainConfig, config_hash
 from .devices import median_ms, resolve_device
 from .errors import DliteError
-from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_pass
+from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
 from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
@@ -352,10 +352,9 @@ class Trainer:
         (all held-out sequences in one pass were ≈ 40 GB of logits at Qwen3-8B)."""
         if not items or isinstance(items[0], Sequence):
             return items
-        capture, size = LayerCapture(self.target_model, self.spec.target_layer_ids), self.train.target_batch
+        capture = LayerCapture(self.target_model, self.spec.target_layer_ids)
         try:
-            return [s for start in range(0, len(items), size)
-                    for s in target_pass(self.target_model, capture, items[start : start + size], self.train.target_top_k)]
+            return target_passes(self.target_model, capture, items, self.train.target_top_k, self.train.target_batch)
         finally:
             capture.remove()
 
