@@ -32,8 +32,14 @@ test: $(STAMP)
 
 # On a GPU machine whose python3 already has torch, transformers, accelerate, typer, rich, pyyaml and
 # pytest (no venv, no network): the tests on the GPU (less the server's, which need fastapi), the micro
-# pipeline end to end, and the decode profile at Qwen3-4B's shapes.  Not part of `make test`.
+# pipeline end to end, the profile at Qwen3-4B's shapes, and every stage's memory plan for Qwen3-4B and
+# Qwen3-8B on an 80 GB and a 141 GB GPU (each must fit).  Not part of `make test`.  On a CPU,
+# `make gpu-check PYTHON=.venv/bin/python` runs the same to its end: what a CPU cannot run is skipped,
+# with its reason printed (pytest's -rs, the profile's skipped lines).
+GPU_CHECK = PYTHONPATH=$(CURDIR)/src $(PYTHON)
 gpu-check:
-	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m pytest -q -x --ignore tests/test_serve.py
-	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m dlite_cli run micro --run-dir runs/gpu-check-micro
-	PYTHONPATH=$(CURDIR)/src $(PYTHON) -m dlite_cli profile --target qwen3-4b
+	$(GPU_CHECK) -m pytest -q -rs --ignore tests/test_serve.py
+	$(GPU_CHECK) -m dlite_cli run micro --run-dir runs/gpu-check-micro
+	$(GPU_CHECK) -m dlite_cli profile --target qwen3-4b
+	for target in qwen3-4b qwen3-8b; do for gigabytes in 80 141; do \
+		$(GPU_CHECK) -m dlite_cli profile --target $$target --memory $$gigabytes || exit 1; done; done

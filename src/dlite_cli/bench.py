@@ -36,15 +36,16 @@ from pathlib import Path
 
 from .artifacts import Stage, atomic_path, atomic_write_json, atomic_write_text, fingerprint_dir, read_json
 from .config import BenchConfig, Config, config_hash
-from .devices import hardware
+from .devices import hardware, resolve_device
 from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
+from .memory import GB, MemoryPlan, bench_plan, device_memory, refuse
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import PLOTS, write_report
 from .runner import TargetRunner, decode_path, pass_width
-from .targets import Work, load_target
+from .targets import Work, load_target, load_target_config, prepare_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 
 METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain autoregressive decoding
@@ -102,6 +103,7 @@ class Bench:
         """Measure what the run directory does not hold yet (with ``force``, all of the plan), write the plan's
         tables → {"measured": n, "reused": n}."""
         episodes, unavailable = self._load_episodes()
+        memory = self._memory_plan()
         model, self.tokenizer, target = load_target(self.config.target, self.log, Work.decoding(self.config))
         self.path = decode_path(self.config.decode.path, model.device, model.dtype)
         width = pass_width(self.config.drafter.draft_tokens, model.dtype)
@@ -110,6 +112,7 @@ class Bench:
         digest = config_hash(recorded, target.fingerprint)
         self.plan_dir = self.stage.dir / "plans" / f"{self.plan.label}-{digest[:8]}"
         self.stage.begin(digest, recorded, {"target": target.fingerprint}, keyed=True)
+        self.stage.update(memory_plan=memory.as_dict())
         self._clean_torn_tail()
         state = read_json(self.plan_dir / "plan.json") or {}
         # measurements before these lines are not this plan's: those it re-measures under --force (kept through a kill)
@@ -141,6 +144,21 @@ class Bench:
                  f"(episode runs and concurrency levels; --force measures them again)")
         self._report(results, throughput, unavailable)
         return counts
+
+    def _memory_plan(self) -> MemoryPlan:
+        """The plan's memory plan (memory.py) on the target's device; one that does not fit is refused before the target loads."""
+        arch, device = load_target_config(prepare_target(self.config.target, self.log)), resolve_device(self.config.target.device)
+        capacity, levels = device_memory(device), self.plan.concurrency
+
+        def planned(levels: list[int]) -> MemoryPlan:
+            return bench_plan(self.config, arch, device.type, self.plan.methods, levels, self.plan.max_new_tokens)
+
+        plan = planned(levels)
+        if not plan.fits(capacity):
+            fitting = [level for level in levels if planned([level]).fits(capacity)]
+            refuse(plan, capacity, f"--concurrency {','.join(map(str, fitting))} fits" if fitting else "not even one row at the target's context fits")
+        self.log(f"bench plans {plan.peak / GB:.2f} GB of the {capacity / GB:.1f} GB free ({plan.setting})")
+        return plan
 
     def _load_episodes(self) -> tuple[dict[str, tuple[list[Episode], str]], dict]:
         """The plan's episodes per workload, and what is unavailable; a named ``--data`` that gives none is an error."""

@@ -283,8 +283,11 @@ def profile(
     train_steps: Annotated[Optional[int], typer.Option(metavar="N", min=0, help="Timed training steps per stage (0 skips training; default 3).")] = None,
     out: Annotated[Optional[Path], typer.Option(metavar="PATH", help="Where to write the JSON (default: runs/<target>/profile-<device>.json).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON instead of the tables.")] = False,
+    memory: Annotated[Optional[float], typer.Option(metavar="GB", min=0.001, help="Only print every stage's memory plan for a GPU with this many GB "
+                                                    "free, and exit non-zero if one does not fit (nothing is timed).")] = None,
 ) -> None:
-    """Time a decode round and a training step at the target's real shapes, with random weights (no download)."""
+    """Time a decode round and a training step at the target's real shapes, with random weights (no download),
+    after every stage's memory plan: what it holds at its peak on this device, traced before anything loads."""
     import dataclasses
     import json
 
@@ -293,6 +296,9 @@ def profile(
     from .profile import Profiler, default_plan, render
 
     config = _load(target, set_)
+    if memory is not None:
+        _memory_plans(config, memory)
+        return
     device = resolve_device(config.target.device)
     plan = default_plan(config, device)
     choices = {"contexts": _numbers("--contexts", contexts, int), "batches": _numbers("--batches", batches, int),
@@ -307,8 +313,23 @@ def profile(
         for table in render(result):
             Console().print(table)
     for skipped in result["skipped"]:
-        log(f"skipped batch {skipped['batch']} at context {skipped['context']}: {skipped['reason']}")
+        what = skipped.get("stage") or f"batch {skipped['batch']} at context {skipped['context']}"
+        log(f"skipped {what}: {skipped['reason']}")
     log(f"profile written to {path}")
+
+
+def _memory_plans(config, gigabytes: float) -> None:
+    """`dlite profile --memory GB`: every stage's plan on a simulated GPU with that much free; refused if one does not fit."""
+    from .memory import GB, architecture, stage_plans
+    from .profile import memory_table
+
+    capacity = int(gigabytes * GB)
+    plans = stage_plans(config, architecture(config), "cuda", capacity)
+    Console().print(memory_table(plans, capacity, f"a simulated {gigabytes:g} GB GPU"))
+    too_big = [p.describe() for p in plans if not p.fits(capacity)]
+    if too_big:
+        raise DliteError(f"{'; '.join(too_big)}: more than a {gigabytes:g} GB GPU has room for")
+    log(f"every stage of {config.name} fits a {gigabytes:g} GB GPU")
 
 
 def _numbers(option: str, text: str | None, kind):

@@ -394,17 +394,22 @@ class SamplingPick:
 
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):
     """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
-    ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length."""
+    ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length, or as much of
+    it as the device has room for (memory.engine_context: planned before the target loads)."""
+    from .devices import resolve_device
     from .drafters import load_proposer, split_fixed
-    from .targets import Work, load_target
+    from .memory import engine_context
+    from .targets import Work, load_target, load_target_config, prepare_target
 
-    model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
-    capacity = capacity or model.config.max_position_embeddings
     decode = config.decode
+    slots = slots or decode.max_batch
+    capacity = engine_context(config, load_target_config(prepare_target(config.target, log)), drafter, slots, capacity,
+                              resolve_device(config.target.device), log)
+    model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log)
     width = pass_width(proposer.draft_tokens, model.dtype)
-    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path, width)
+    runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer
 

@@ -40,7 +40,7 @@ class Sequence:
 
     input_ids: torch.Tensor  # (T,) long
     prompt_len: int
-    features: torch.Tensor  # (T, S, H)
+    features: torch.Tensor  # (T, S, H): from a target pass on the target's device in its dtype; from the cache on the host in float16
     top_probs: torch.Tensor  # (T, k)
     top_ids: torch.Tensor  # (T, k) int32
     labels_from_target: bool = False  # the response is the source's original text: labels are the target's argmax
@@ -75,7 +75,8 @@ class LayerCapture:
 
 @torch.no_grad()
 def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
-    """Run the target over regen records (``input_ids``, ``prompt_len``, ``labels``; one right-padded batch)."""
+    """Run the target over regen records (``input_ids``, ``prompt_len``, ``labels``; one right-padded batch): each
+    Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host."""
     width = max(len(r["input_ids"]) for r in records)
     input_ids = torch.zeros(len(records), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -89,7 +90,7 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
     for row, record in enumerate(records):
         length = len(record["input_ids"])
         probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
-        out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].float().cpu(), probs.cpu(),
+        out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), probs.cpu(),
                             top.int().cpu(), record.get("labels") == "target"))
     return out
 
@@ -160,7 +161,7 @@ class FeatureCache:
 
         tensors = {
             "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
-            "features": torch.cat([s.features for s in sequences]).half(),
+            "features": torch.cat([s.features for s in sequences]).half().cpu(),
             "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
             "top_ids": torch.cat([s.top_ids for s in sequences]),
             "lengths": torch.tensor([len(s.input_ids) for s in sequences]),

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from .config import PACKAGE_DIR, Config
+from .config import Config
 from .devices import hardware, median_ms, resolve_device
 from .drafters import DLiteAdapter, HistoryAdapter, draft_dtype
 from .engine import Engine, Request, SamplingParams
 from .errors import DliteError
 from .features import LayerCapture, Sequence, target_pass
+from .memory import GB, HEADROOM, MemoryPlan, architecture, device_memory, kv_bytes_per_token, random_target, stage_plans
 from .model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from .progress import progress_bar
 from .report import paper_results
@@ -37,7 +38,7 @@ from .train import mixed_precision, stage_plan, step_seconds, synthetic_sequence
 
 COPY_BYTES = 1 << 28  # the buffer the device's copy bandwidth is measured with
 OVERHEAD_TOKENS = 24  # decoded at batch 1 to measure the engine's host time per round
-TRAIN_STAGES = ("train-teacher", "warmup", "stable")
+TRAIN_STAGES = ("train-teacher", "warmup", "stable")  # timed; each plan of memory.TRAINING_STAGES is printed
 
 
 @dataclasses.dataclass
@@ -68,45 +69,12 @@ def paper_taus(config: Config) -> list[float]:
     return [t for t in published[model]["DLite"] if t is not None]
 
 
-def architecture(config: Config):
-    """The target's Hugging Face config (shapes only)."""
-    from transformers import AutoConfig
-
-    shipped = PACKAGE_DIR / "configs" / "architectures" / f"{config.name}.json"
-    if not shipped.is_file():
-        shipped = PACKAGE_DIR.parents[1] / "configs" / "architectures" / f"{config.name}.json"
-    if config.target.model == "micro":
-        from .targets import prepare_target
-
-        return AutoConfig.from_pretrained(prepare_target(config.target, lambda _: None).path)
-    if shipped.is_file():
-        facts = {k: v for k, v in json.loads(shipped.read_text()).items() if not k.startswith("_")}
-        return AutoConfig.for_model(**facts)
-    local = Path(config.target.model).expanduser()
-    if (local / "config.json").is_file():
-        return AutoConfig.from_pretrained(local)
-    raise DliteError(f"no shape facts for target {config.target.model!r}: pass a checkpoint directory with its config.json "
-                     "(--set target.model=DIR), or add configs/architectures/NAME.json")
-
-
-def random_target(arch, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(arch, dtype=dtype).eval().requires_grad_(False)
-
-
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second the device moves in a large copy (read + write): the memory-bound floor."""
     source = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
     seconds = median_ms(lambda: target.copy_(source), 5, device) / 1000
     return 2 * COPY_BYTES / seconds
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one position costs in a KV cache."""
-    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 def weight_bytes(model) -> int:
@@ -132,6 +100,11 @@ class Profiler:
         self.config, self.plan, self.log = config, plan, log
         self.device = resolve_device(config.target.device)
         self.arch = architecture(config)
+        self.capacity = device_memory(self.device)
+        self.memory = stage_plans(config, self.arch, self.device.type, self.capacity)
+        too_big = [p for p in self.memory if p.stage in TRAIN_STAGES and not p.fits(self.capacity)]
+        self.training_skipped = (f"{too_big[0].describe()}, more than {HEADROOM:.0%} of the {self.capacity / GB:.1f} GB free here"
+                                 if too_big and plan.train_steps else None)
         self.dtype_name = config.target.dtype
         if self.dtype_name == "auto":
             build = lambda name: random_target(self.arch, getattr(torch, name), self.device)  # noqa: E731
@@ -143,7 +116,8 @@ class Profiler:
         self.draft_dtype_name = draft_dtype(config.decode.draft_dtype, Drafter(self.spec).to(self.device).eval(), self.model.get_input_embeddings(), log)
         self.draft_dtype = getattr(torch, self.draft_dtype_name)
         # one precision for every stage's timed step: stage 2's (what the training table compares across machines)
-        self.mixed_precision = mixed_precision(stage_plan("stable", config.train), config.train, self.spec, self.device, log) or "no"
+        self.mixed_precision = "no" if self.training_skipped else (
+            mixed_precision(stage_plan("stable", config.train), config.train, self.spec, self.device, log) or "no")
         self.k = config.drafter.draft_tokens
         spec = self.spec
         self.target_kv = kv_bytes_per_token(self.arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
@@ -155,7 +129,8 @@ class Profiler:
                   "dtype": self.dtype_name, "draft_dtype": self.draft_dtype_name, "mixed_precision": self.mixed_precision,
                   "plan": dataclasses.asdict(self.plan), "weight_bytes": weight_bytes(self.model),
                   "kv_bytes_per_token": self.target_kv,
-                  "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": []}
+                  "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": [],
+                  "memory": {"free_bytes": self.capacity, "plans": [p.as_dict() for p in self.memory]}}
         dlite = DLiteAdapter(Drafter(self.spec).to(self.device, self.draft_dtype).eval(), self.model.get_input_embeddings(), "dlite",
                              graphs=self.path == "graphs")
         teacher_spec = dataclasses.replace(self.spec, history_window=FULL_HISTORY)
@@ -170,7 +145,9 @@ class Profiler:
                 bar.update(advance=1)
         result["overhead"] = self._overhead(dlite)
         result["predicted"] = self._predicted(result)
-        result["training"] = self._training() if self.plan.train_steps else []
+        result["training"] = self._training() if self.plan.train_steps and not self.training_skipped else []
+        if self.training_skipped:
+            result["skipped"].append({"stage": "training steps", "reason": self.training_skipped})
         return result
 
     def _fits(self, batch: int, context: int, result: dict) -> bool:
@@ -300,7 +277,8 @@ def render(result: dict) -> list:
     for r in result["predicted"]:
         predicted.add_row(str(r["context"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['overhead_ms']:.2f}",
                           f"{r['round_in_steps']:.2f}", *(f"{r['speedup'][t]:.2f}×" for t in taus))
-    tables = [passes, drafts, predicted]
+    tables = [memory_table([MemoryPlan(**p) for p in result["memory"]["plans"]], result["memory"]["free_bytes"], result["hardware"]),
+              passes, drafts, predicted]
     if result["training"]:
         training = Table(title="training step of one process (train.micro_batch sequences of train.max_length tokens)")
         for column in ("stage", "s / step", "anchors / s", "tokens / s"):
@@ -309,3 +287,17 @@ def render(result: dict) -> list:
             training.add_row(t["stage"], f"{t['step_s']:.3f}", f"{t['anchors_per_s']:.0f}", f"{t['tokens_per_s']:.0f}")
         tables.append(training)
     return tables
+
+
+def memory_table(plans: list[MemoryPlan], capacity: int, device: str):
+    """A rich Table of memory plans against ``capacity`` bytes free."""
+    from rich.table import Table
+
+    table = Table(title=f"memory plan per stage (traced on tensors without storage, memory.py) on {device}: "
+                        f"{capacity / GB:.1f} GB free, a plan fits in {HEADROOM:.0%} of it")
+    for column in ("stage", "peak GB", "fits", "made of, GB", "at"):
+        table.add_column(column, justify="right" if column == "peak GB" else "left")
+    for p in plans:
+        table.add_row(p.stage, f"{p.peak / GB:.2f}", "yes" if p.fits(capacity) else "NO",
+                      ", ".join(f"{name} {size / GB:.2f}" for name, size in p.parts.items()), p.setting)
+    return table

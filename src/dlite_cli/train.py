@@ -36,6 +36,7 @@ from .devices import median_ms, resolve_device
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
+from .memory import GB, MemoryPlan, device_memory, fitting_micro_batch, refuse, training_plan
 from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
 from .precision import decide
@@ -175,18 +176,22 @@ def frequent_tokens(items: list, count: int, vocab_size: int) -> torch.Tensor:
 # ---------------------------------------------------------------- the loss of a stage
 
 
-def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, sequences: list[Sequence], seeds: list[int],
-               weights: torch.Tensor, device) -> torch.Tensor:
-    """The stage's mean loss over ``train.anchors_per_sample`` anchors of each sequence (drawn with its seed),
-    on ``device``; ``embed`` is the target's input embedding, ``teacher`` warmup's frozen teacher."""
+def stage_batches(plan: StagePlan, train: TrainConfig, drafter, teacher, sequences: list[Sequence], seeds: list[int], k: int) -> list[AnchorBatch]:
+    """The anchor batches of a stage's loss, on the sequences' device: ``train.anchors_per_sample`` anchors of each
+    sequence (drawn with its seed), one batch per sequence where the loss reads a history (W ≠ 0), else one of all."""
     # warmup's student has no history, but its teacher reads the full history of each anchor
     window = teacher.spec.history_window if teacher is not None else plan.history_window
-    k = len(weights)
     group = getattr(drafter, "module", drafter).spec.anchor_group  # unwrapped from DDP
     batches = [anchor_batch(s, sample_anchors(s, train.anchors_per_sample, seed), k, window, group) for s, seed in zip(sequences, seeds)]
-    groups = batches if window != 0 else [concat_batches(batches)]
-    total = sum(len(b.anchor) for b in groups)
-    return sum(batch_loss(plan, train, drafter, teacher, embed, b.to(device), weights) * (len(b.anchor) / total) for b in groups)
+    return batches if window != 0 else [concat_batches(batches)]
+
+
+def stage_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, batches: list[AnchorBatch], weights: torch.Tensor,
+               device) -> torch.Tensor:
+    """The stage's mean loss over the anchors of ``batches`` (:func:`stage_batches`), on ``device``; ``embed`` is
+    the target's input embedding, ``teacher`` warmup's frozen teacher."""
+    total = sum(len(b.anchor) for b in batches)
+    return sum(batch_loss(plan, train, drafter, teacher, embed, b.to(device), weights) * (len(b.anchor) / total) for b in batches)
 
 
 def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, batch: AnchorBatch, weights: torch.Tensor) -> torch.Tensor:
@@ -228,7 +233,8 @@ def step_seconds(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, embed, 
 
     def step():
         with torch.autocast(device.type, dtype=AUTOCAST.get(autocast, torch.bfloat16), enabled=autocast in AUTOCAST):
-            loss = stage_loss(plan, train, drafter, teacher, embed, sequences, list(range(len(sequences))), weights, device)
+            batches = stage_batches(plan, train, drafter, teacher, sequences, list(range(len(sequences))), spec.draft_tokens)
+            loss = stage_loss(plan, train, drafter, teacher, embed, batches, weights, device)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -279,6 +285,7 @@ class Trainer:
         if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
         target_config = load_target_config(prepare_target(config.target, log))
+        self.memory = self._memory_plan(target_config, device)
         precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
         if precision is not None and not launched():
             # accelerate keeps one precision per process, and stages run in one process (`dlite run`) may each
@@ -293,6 +300,21 @@ class Trainer:
             )
         self.accumulation = self.train.global_batch // per_step
         self.weights = position_weights(config.drafter.draft_tokens, self.train.gamma)
+
+    def _memory_plan(self, target_config, device) -> MemoryPlan:
+        """This process's memory plan (memory.py), before anything loads or is timed; one that does not fit its device
+        is refused.  Its autocast is the one a launch was configured with, or the setting (auto: what it means on a
+        GPU; on a CPU float32, the larger of the two it decides between)."""
+        autocast = os.environ["ACCELERATE_MIXED_PRECISION"] if launched() and self.train.mixed_precision == "auto" else None
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        plan = training_plan(self.config, target_config, self.plan.name, device.type, autocast, processes=processes)
+        capacity = device_memory(device)
+        if not plan.fits(capacity):
+            size = fitting_micro_batch(self.config, target_config, self.plan.name, device.type, capacity, autocast, processes)
+            refuse(plan, capacity, f"--set train.micro_batch={size} fits" if size else
+                   "not even one sequence a micro-batch fits: lower train.max_length or train.anchors_per_sample")
+        self.log(f"{self.plan.name} plans {plan.peak / GB:.2f} GB of the {capacity / GB:.1f} GB free ({plan.setting})")
+        return plan
 
     # ----- inputs
 
@@ -318,6 +340,8 @@ class Trainer:
         else:
             fresh = True
         fresh = self._agree(fresh)
+        if fresh and self.accelerator.is_main_process:
+            self.stage.update(memory_plan=self.memory.as_dict())
         if not fresh:
             self.log(f"{self.plan.name} in {self.stage.dir} is already done with this config; nothing to do")
             return self.stage.manifest()["summary"]
@@ -394,7 +418,8 @@ class Trainer:
         seeds = [self._anchor_seed(epoch, i) for i in indices]
         embed = self.target_model.get_input_embeddings()
         with self.accelerator.autocast():  # the frozen teacher's forward too
-            return stage_loss(self.plan, self.train, drafter, teacher, embed, sequences, seeds, self.weights, self.accelerator.device)
+            batches = stage_batches(self.plan, self.train, drafter, teacher, sequences, seeds, self.spec.draft_tokens)
+            return stage_loss(self.plan, self.train, drafter, teacher, embed, batches, self.weights, self.accelerator.device)
 
     @torch.no_grad()
     def evaluate(self, drafter: Drafter, sequences: list[Sequence], chunk: int = 64) -> dict:
@@ -449,7 +474,8 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(total_steps))
         drafter, optimizer = self.accelerator.prepare(drafter, optimizer)
         step = self._resume(drafter, optimizer, scheduler)
-        eval_sequences = self._materialise(eval_items)
+        # held out for the whole stage: their features wait on the host
+        eval_sequences = [dataclasses.replace(s, features=s.features.cpu()) for s in self._materialise(eval_items)]
         main = self.accelerator.is_main_process
         started = time.time()
         with progress_bar(self.plan.name, total=total_steps, completed=step, enabled=main) as bar:
