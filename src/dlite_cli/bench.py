@@ -40,6 +40,7 @@ from .devices import hardware, resolve_device
 from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
+from .graphs import CAPTURES
 from .memory import GB, MemoryPlan, bench_plan, device_memory, refuse
 from .progress import progress_bar
 from .regen import chat_prompt_ids
@@ -139,7 +140,9 @@ class Bench:
         counts = {"measured": measured + measured_throughput, "reused": len(results) + len(throughput) - measured - measured_throughput}
         atomic_write_json(self.plan_dir / "plan.json", {**record, "status": "done", "measurements": ids, **counts})
         self.stage.finish(summary={"plan": self.plan_dir.name, "hardware": self.hardware, "decode_path": self.path,
-                                   "episodes": sum(len(e) for e, _ in episodes.values()), "unavailable": unavailable, **counts})
+                                   "episodes": sum(len(e) for e, _ in episodes.values()), "unavailable": unavailable, **counts,
+                                   # captured in this process (each taken out of the time it fell in)
+                                   "graph_captures": CAPTURES.count, "graph_capture_seconds": round(CAPTURES.seconds, 3)})
         self.log(f"bench plan {self.plan_dir.name}: measured {counts['measured']}, reused {counts['reused']} "
                  f"(episode runs and concurrency levels; --force measures them again)")
         self._report(results, throughput, unavailable)
@@ -275,6 +278,7 @@ class Bench:
                 "rounds": stats.rounds, "committed": stats.committed, "prefill_s": stats.prefill_seconds,
                 "reused_prompt_tokens": stats.reused_prompt_tokens,
                 "draft_s": stats.draft_seconds, "verify_s": stats.verify_seconds, "overhead_s": stats.overhead_seconds,
+                "capture_s": stats.capture_seconds,
                 "proposed": stats.proposed, "accepted": stats.accepted, "draft_kv_bytes": stats.draft_kv_bytes,
                 "output_sha": hashlib.sha1(json.dumps(request.output_ids).encode()).hexdigest()[:12],
             })
@@ -326,11 +330,13 @@ class Bench:
         wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
                                    pass_width(engine.drafter.draft_tokens, runner.model.dtype))
         wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
-        start = time.perf_counter()
+        start, captured = time.perf_counter(), CAPTURES.seconds
         requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])
-        seconds = time.perf_counter() - start
+        capture = CAPTURES.seconds - captured  # a fresh runner captures its graphs as it goes: not the decoding's time
+        seconds = time.perf_counter() - start - capture
         tokens = sum(r.stats.generated_tokens for r in requests)
-        return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": wide.stats.tau}
+        return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": wide.stats.tau,
+                "capture_seconds": capture}
 
     # ----- helpers
 

@@ -25,6 +25,7 @@ import torch
 from .devices import now
 from .adaptive import VerifyCosts
 from .errors import DliteError
+from .graphs import CAPTURES
 from .model import greedy_pick
 from .runner import TargetRunner, decode_path, pass_width
 
@@ -68,6 +69,7 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     overhead_seconds: float = 0.0  # acceptance and bookkeeping between the two
+    capture_seconds: float = 0.0  # CUDA graphs captured during the rounds: taken out of the times above
     draft_kv_bytes: int = 0  # peak draft-side KV cache (0 for DLite)
     proposed: list[int] = field(default_factory=list)  # per draft position: rounds that proposed it
     accepted: list[int] = field(default_factory=list)  # … and that accepted it
@@ -96,6 +98,7 @@ class Stats:
             "verify_ms_per_round": per_step(self.verify_seconds),
             "overhead_ms_per_round": per_step(self.overhead_seconds),
             "decode_seconds": round(self.draft_seconds + self.verify_seconds + self.overhead_seconds, 4),
+            "capture_seconds": round(self.capture_seconds, 4),
             "draft_kv_bytes": self.draft_kv_bytes,
         }
 
@@ -282,16 +285,17 @@ class Engine:
 
     def _round(self, rows: list[Request]) -> list[Request]:
         device = self.runner.device
-        t0 = now(device)
+        t0, c0 = now(device), CAPTURES.seconds
         draft = self.drafter.propose(rows, self._picker(rows))
         width = max(draft.lengths)  # the static path pads the pass to its fixed width
         anchors = torch.tensor([[row.anchor] for row in rows], device=device)
         tokens = torch.cat([anchors, draft.tokens[:, :width].to(device)], dim=1)  # (B, 1 + width)
-        t1 = now(device)
+        t1, c1 = now(device), CAPTURES.seconds
         logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
-        t2 = now(device)
+        t2, c2 = now(device), CAPTURES.seconds
+        draft_seconds, verify_seconds = t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1)  # a graph's capture is not the round's work
         if self.drafter.costs is not None and len(rows) == 1:  # what a pass of this width costs at this row's context
-            self.drafter.costs.observe(tokens.shape[1], 1000 * (t2 - t1))
+            self.drafter.costs.observe(tokens.shape[1], 1000 * verify_seconds)
         greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
         # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
         read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
@@ -330,9 +334,10 @@ class Engine:
         self.stats.draft_kv_bytes = max(self.stats.draft_kv_bytes, draft_kv)
         for stats in [row.stats for row in rows] + [self.stats]:
             stats.steps += 1
-            stats.draft_seconds += t1 - t0 + extend_seconds
-            stats.verify_seconds += t2 - t1
+            stats.draft_seconds += draft_seconds + extend_seconds
+            stats.verify_seconds += verify_seconds
             stats.overhead_seconds += t3 - t2 - extend_seconds
+            stats.capture_seconds += c2 - c0
         return rows
 
     def _picker(self, rows: list[Request]):

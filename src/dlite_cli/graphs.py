@@ -9,9 +9,24 @@ its own tensors, overwritten by its next replay.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a fixed-shape pass is padded to
+
+
+@dataclass
+class CaptureLedger:
+    """Every graph captured in this process and the seconds the captures took (warm-up included, on a
+    synchronised clock): timed regions take them out, as if each graph had been captured before the clock started."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+
+CAPTURES = CaptureLedger()
 
 
 def bucket_for(rows: int, limit: int) -> int:
@@ -52,6 +67,8 @@ class CudaGraphs:
 
     def _capture(self, fn, inputs):
         buffers = [x.clone() for x in inputs]
+        torch.cuda.synchronize(buffers[0].device)
+        start = time.perf_counter()
         with torch.cuda.device(buffers[0].device):
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
@@ -64,4 +81,7 @@ class CudaGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = fn(*buffers)
+        torch.cuda.synchronize(buffers[0].device)
+        CAPTURES.count += 1
+        CAPTURES.seconds += time.perf_counter() - start
         return buffers, graph, outputs
