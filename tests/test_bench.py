@@ -179,7 +179,10 @@ def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_pl
     subprocess.run(command, cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, check=True, capture_output=True, timeout=600)
     run = tmp_path / "runs" / "micro" / "bench"
     expected_path = decode_path("auto", DEVICE, torch.bfloat16)  # static on a CPU, graphs on CUDA
-    assert json.loads((run / "manifest.json").read_text())["summary"]["decode_path"] == expected_path
+    summary = json.loads((run / "manifest.json").read_text())["summary"]
+    assert summary["decode_path"] == expected_path
+    assert (summary["graph_captures"] > 0) == (expected_path == "graphs")  # the static path captures nothing
+    assert all(t["capture_s"] == 0 for r in lines(run / "results.jsonl") for t in r["turns"]) or expected_path == "graphs"
     by_episode = {}
     for record in lines(run / "results.jsonl"):
         by_episode.setdefault(record["episode"], {})[record["method"]] = [t.get("output_sha") for t in record["turns"]]
