@@ -55,12 +55,12 @@ def test_decoding_plans_are_linear_in_rows_and_positions_and_size_a_server(cache
 
 
 def test_a_training_stage_that_does_not_fit_is_refused_before_it_starts(run_cli, tmp_path):
-    # ~1 GB of logits per sequence: 64 a micro-batch fit no test machine, one fits any
-    huge = ["--set", "train.micro_batch=64", "--set", "train.global_batch=64", "--set", "train.anchors_per_sample=50000",
-            "--set", "train.max_length=100000", "--set", 'train.mixed_precision="no"']
+    # ~3 GB of logits and their gradients a sequence: 64 a micro-batch fit no test machine (an H200 neither), one fits any
+    huge = ["--set", "train.micro_batch=64", "--set", "train.global_batch=64", "--set", "train.anchors_per_sample=150000",
+            "--set", "train.max_length=300000", "--set", 'train.mixed_precision="no"']
     refused = run_cli("stable", "--target", "micro", "--from-scratch", *huge, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "stable-scratch at micro-batch 64 × 100000 tokens" in refused.stderr
+    assert "stable-scratch at micro-batch 64 × 300000 tokens" in refused.stderr
     assert "GB this device has free: --set train.micro_batch=" in refused.stderr and "fits" in refused.stderr
     assert not (tmp_path / "runs" / "micro" / "stable-scratch").exists()  # refused before the stage began
 

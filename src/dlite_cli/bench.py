@@ -41,7 +41,7 @@ from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .graphs import CAPTURES
-from .memory import GB, MemoryPlan, bench_plan, device_memory, refuse
+from .memory import MemoryPlan, bench_plan, device_memory, refuse, size
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import PLOTS, write_report
@@ -160,7 +160,7 @@ class Bench:
         if not plan.fits(capacity):
             fitting = [level for level in levels if planned([level]).fits(capacity)]
             refuse(plan, capacity, f"--concurrency {','.join(map(str, fitting))} fits" if fitting else "not even one row at the target's context fits")
-        self.log(f"bench plans {plan.peak / GB:.2f} GB of the {capacity / GB:.1f} GB free ({plan.setting})")
+        self.log(f"bench plans {size(plan.peak)} of the {size(capacity)} free ({plan.setting})")
         return plan
 
     def _load_episodes(self) -> tuple[dict[str, tuple[list[Episode], str]], dict]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .artifacts import atomic_write_json
+from .artifacts import atomic_write_text
 from .config import PACKAGE_DIR, Config, config_hash
 from .errors import DliteError
 from .wheels import cache_dir
@@ -42,6 +42,11 @@ HEADROOM = 0.9  # the share of the device's memory a plan may fill
 MIN_CONTEXT = 1024  # the fewest positions per row an engine is sized down to before it refuses
 TRAINING_STAGES = ("train-teacher", "warmup", "stable", "stable-parallel")
 GB = 1e9
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a reader takes them in: 3.8 MB, 43.1 GB."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
 
 
 @dataclass
@@ -57,7 +62,7 @@ class MemoryPlan:
         return self.peak <= HEADROOM * capacity
 
     def describe(self) -> str:
-        return f"{self.stage} at {self.setting} needs {self.peak / GB:.1f} GB"
+        return f"{self.stage} at {self.setting} needs {size(self.peak)}"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,7 +192,7 @@ def training_plan(config: Config, arch, stage: str, device_type: str, autocast: 
         return MemoryPlan(**json.loads(remembered.read_text()))
     plan = _traced_training_plan(config, train, arch, stage, device_type, autocast, processes, fake)
     if fake:
-        atomic_write_json(remembered, plan.as_dict())
+        atomic_write_text(remembered, json.dumps(plan.as_dict()))  # the parts in their order
     return plan
 
 
@@ -337,7 +342,7 @@ def engine_context(config: Config, arch, drafter: str, slots: int, context: int 
         return wanted
     tokens = fitting_tokens(config, arch, "the engine", slots, device.type, capacity, history)
     if context is None and tokens >= MIN_CONTEXT:
-        log(f"{plan.describe()}: {tokens} tokens a row fit the {capacity / GB:.1f} GB free (--max-batch or --max-context choose otherwise)")
+        log(f"{plan.describe()}: {tokens} tokens a row fit the {size(capacity)} free (--max-batch or --max-context choose otherwise)")
         return tokens
     rows = fitting_slots(config, arch, "the engine", wanted, device.type, capacity, history)
     refuse(plan, capacity, f"--max-batch {rows} fits" if rows else f"not one row of {wanted} tokens fits: pass a smaller --max-context")
@@ -357,5 +362,5 @@ def stage_plans(config: Config, arch, device_type: str, capacity: int) -> list[M
 
 def refuse(plan: MemoryPlan, capacity: int, advice: str) -> None:
     """Raise the one-sentence refusal of a plan that does not fit ``capacity`` bytes."""
-    raise DliteError(f"{plan.describe()} ({', '.join(f'{k} {v / GB:.1f}' for k, v in plan.parts.items())}), more than "
-                     f"{HEADROOM:.0%} of the {capacity / GB:.1f} GB this device has free: {advice}")
+    raise DliteError(f"{plan.describe()} ({', '.join(f'{k} {size(v)}' for k, v in plan.parts.items())}), more than "
+                     f"{HEADROOM:.0%} of the {size(capacity)} this device has free: {advice}")

@@ -17,8 +17,6 @@ path the engine would use (``decode.path``).  Measured, median of ``repeats``:
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import torch
 
@@ -26,9 +24,8 @@ from .config import Config
 from .devices import hardware, median_ms, resolve_device
 from .drafters import DLiteAdapter, HistoryAdapter, draft_dtype
 from .engine import Engine, Request, SamplingParams
-from .errors import DliteError
 from .features import LayerCapture, Sequence, target_pass
-from .memory import GB, HEADROOM, MemoryPlan, architecture, device_memory, kv_bytes_per_token, random_target, stage_plans
+from .memory import HEADROOM, MemoryPlan, architecture, device_memory, kv_bytes_per_token, random_target, size, stage_plans
 from .model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from .progress import progress_bar
 from .report import paper_results
@@ -103,7 +100,7 @@ class Profiler:
         self.capacity = device_memory(self.device)
         self.memory = stage_plans(config, self.arch, self.device.type, self.capacity)
         too_big = [p for p in self.memory if p.stage in TRAIN_STAGES and not p.fits(self.capacity)]
-        self.training_skipped = (f"{too_big[0].describe()}, more than {HEADROOM:.0%} of the {self.capacity / GB:.1f} GB free here"
+        self.training_skipped = (f"{too_big[0].describe()}, more than {HEADROOM:.0%} of the {size(self.capacity)} free here"
                                  if too_big and plan.train_steps else None)
         self.dtype_name = config.target.dtype
         if self.dtype_name == "auto":
@@ -294,10 +291,10 @@ def memory_table(plans: list[MemoryPlan], capacity: int, device: str):
     from rich.table import Table
 
     table = Table(title=f"memory plan per stage (traced on tensors without storage, memory.py) on {device}: "
-                        f"{capacity / GB:.1f} GB free, a plan fits in {HEADROOM:.0%} of it")
-    for column in ("stage", "peak GB", "fits", "made of, GB", "at"):
-        table.add_column(column, justify="right" if column == "peak GB" else "left")
+                        f"{size(capacity)} free, a plan fits in {HEADROOM:.0%} of it")
+    for column in ("stage", "peak", "fits", "made of", "at"):
+        table.add_column(column, justify="right" if column == "peak" else "left")
     for p in plans:
-        table.add_row(p.stage, f"{p.peak / GB:.2f}", "yes" if p.fits(capacity) else "NO",
-                      ", ".join(f"{name} {size / GB:.2f}" for name, size in p.parts.items()), p.setting)
+        table.add_row(p.stage, size(p.peak), "yes" if p.fits(capacity) else "NO",
+                      ", ".join(f"{name} {size(nbytes)}" for name, nbytes in p.parts.items()), p.setting)
     return table

@@ -36,7 +36,7 @@ from .devices import median_ms, resolve_device
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
-from .memory import GB, MemoryPlan, device_memory, fitting_micro_batch, refuse, training_plan
+from .memory import MemoryPlan, device_memory, fitting_micro_batch, refuse, size, training_plan
 from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
 from .precision import decide
@@ -310,10 +310,10 @@ class Trainer:
         plan = training_plan(self.config, target_config, self.plan.name, device.type, autocast, processes=processes)
         capacity = device_memory(device)
         if not plan.fits(capacity):
-            size = fitting_micro_batch(self.config, target_config, self.plan.name, device.type, capacity, autocast, processes)
-            refuse(plan, capacity, f"--set train.micro_batch={size} fits" if size else
+            fitting = fitting_micro_batch(self.config, target_config, self.plan.name, device.type, capacity, autocast, processes)
+            refuse(plan, capacity, f"--set train.micro_batch={fitting} fits" if fitting else
                    "not even one sequence a micro-batch fits: lower train.max_length or train.anchors_per_sample")
-        self.log(f"{self.plan.name} plans {plan.peak / GB:.2f} GB of the {capacity / GB:.1f} GB free ({plan.setting})")
+        self.log(f"{self.plan.name} plans {size(plan.peak)} of the {size(capacity)} free ({plan.setting})")
         return plan
 
     # ----- inputs
