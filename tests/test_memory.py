@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dlite_cli.config import load_config
-from dlite_cli.memory import (LiveBytes, architecture, decoding_plan, fitting_slots, fitting_tokens, stage_plans,
-                              training_plan)
+from dlite_cli.errors import DliteError
+from dlite_cli.memory import LiveBytes, architecture, decoding_plan, engine_context, most_that_fit, stage_plans, training_plan
 
 
 def test_live_bytes_counts_each_storage_once_while_it_is_alive():
@@ -39,10 +39,10 @@ def test_decoding_plans_are_linear_in_rows_and_positions_and_size_a_server(cache
     config = load_config("micro")
     arch = architecture(config)
     capacity = decoding_plan(config, arch, "serve", 4, 1000, "cuda").peak * 2
-    tokens = fitting_tokens(config, arch, "serve", 4, "cuda", capacity, False)
+    tokens = most_that_fit(lambda n: decoding_plan(config, arch, "serve", 4, n, "cuda").peak, capacity)
     assert decoding_plan(config, arch, "serve", 4, tokens, "cuda").fits(capacity)
     assert not decoding_plan(config, arch, "serve", 4, tokens + 1, "cuda").fits(capacity)
-    slots = fitting_slots(config, arch, "serve", 1000, "cuda", capacity, True)
+    slots = most_that_fit(lambda n: decoding_plan(config, arch, "serve", n, 1000, "cuda", True).peak, capacity)
     assert decoding_plan(config, arch, "serve", slots, 1000, "cuda", True).fits(capacity)
     assert not decoding_plan(config, arch, "serve", slots + 1, 1000, "cuda", True).fits(capacity)
     assert "CUDA graph pool" in decoding_plan(config, arch, "serve", 1, 1, "cuda").parts  # graphs are the GPU's path
@@ -50,8 +50,8 @@ def test_decoding_plans_are_linear_in_rows_and_positions_and_size_a_server(cache
     room = decoding_plan(config, arch, "serve", config.decode.max_batch, 2000, "cuda").peak  # 16 rows of 2 000 of micro's 4 096
     plans = stage_plans(config, arch, "cuda", room)
     assert [p.stage for p in plans] == ["train-teacher", "warmup", "stable", "stable-parallel", "bench", "serve"]
-    assert plans[-1].setting == f"16 slots × {fitting_tokens(config, arch, 'serve', 16, 'cuda', room, False)} tokens"
-    assert plans[-1].fits(room) and 1024 < fitting_tokens(config, arch, "serve", 16, "cuda", room, False) < 2000
+    tokens = most_that_fit(lambda n: decoding_plan(config, arch, "serve", 16, n, "cuda").peak, room)
+    assert plans[-1].setting == f"16 slots × {tokens} tokens" and plans[-1].fits(room) and 1024 < tokens < 2000
 
 
 def test_a_training_stage_that_does_not_fit_is_refused_before_it_starts(run_cli, tmp_path):
@@ -78,3 +78,11 @@ def test_profile_plans_every_stage_for_a_simulated_gpu(run_cli, tmp_path):
         assert stage in fits.stdout
     refused = run_cli("profile", "--target", "micro", "--memory", "0.001", check=False)  # 1 MB: less than micro's weights and a step
     assert refused.returncode == 2 and "more than a 0.001 GB GPU has room for" in refused.stderr and "NO" in refused.stdout
+
+
+def test_an_engine_of_more_rows_than_fit_is_refused_naming_the_rows_that_do(cache_dir):
+    config = load_config("micro")
+    arch = architecture(config)
+    assert engine_context(config, arch, "dlite", 1, None, torch.device("cpu")) == arch.max_position_embeddings
+    with pytest.raises(DliteError, match=r"the engine at 1000000 slots × 4096 tokens needs .* free: --max-batch \d+ fits"):
+        engine_context(config, arch, "dlite", 10**6, None, torch.device("cpu"))  # ~4 TB of KV cache; not even 1 024 a row fit

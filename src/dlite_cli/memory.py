@@ -319,15 +319,10 @@ def bench_plan(config: Config, arch, device_type: str, methods: list[str], concu
                          device_type, any(keeps_history(m) for m in methods), single_row_tokens=arch.max_position_embeddings)
 
 
-def fitting_tokens(config: Config, arch, stage: str, slots: int, device_type: str, capacity: int, history_drafter: bool) -> int:
-    """The most positions per row that ``slots`` rows may hold within ``capacity`` (0: none; plans are linear in them)."""
-    one, two = (decoding_plan(config, arch, stage, slots, n, device_type, history_drafter).peak for n in (1, 2))
-    return max(0, int((HEADROOM * capacity - one) // (two - one)) + 1) if HEADROOM * capacity >= one else 0
-
-
-def fitting_slots(config: Config, arch, stage: str, tokens: int, device_type: str, capacity: int, history_drafter: bool) -> int:
-    """The most rows of ``tokens`` positions that fit ``capacity`` (0: not one)."""
-    one, two = (decoding_plan(config, arch, stage, n, tokens, device_type, history_drafter).peak for n in (1, 2))
+def most_that_fit(peak_of, capacity: int) -> int:
+    """The largest n (rows, or positions a row) with ``peak_of(n)`` bytes within ``capacity``, for a decoding plan
+    (linear in both), or 0 where not even one fits."""
+    one, two = peak_of(1), peak_of(2)
     return max(0, int((HEADROOM * capacity - one) // (two - one)) + 1) if HEADROOM * capacity >= one else 0
 
 
@@ -340,11 +335,11 @@ def engine_context(config: Config, arch, drafter: str, slots: int, context: int 
     plan = decoding_plan(config, arch, "the engine", slots, wanted, device.type, history)
     if plan.fits(capacity):
         return wanted
-    tokens = fitting_tokens(config, arch, "the engine", slots, device.type, capacity, history)
+    tokens = most_that_fit(lambda n: decoding_plan(config, arch, "the engine", slots, n, device.type, history).peak, capacity)
     if context is None and tokens >= MIN_CONTEXT:
         log(f"{plan.describe()}: {tokens} tokens a row fit the {size(capacity)} free (--max-batch or --max-context choose otherwise)")
         return tokens
-    rows = fitting_slots(config, arch, "the engine", wanted, device.type, capacity, history)
+    rows = most_that_fit(lambda n: decoding_plan(config, arch, "the engine", n, wanted, device.type, history).peak, capacity)
     refuse(plan, capacity, f"--max-batch {rows} fits" if rows else f"not one row of {wanted} tokens fits: pass a smaller --max-context")
 
 
@@ -355,7 +350,7 @@ def stage_plans(config: Config, arch, device_type: str, capacity: int) -> list[M
     bench = config.bench
     plans.append(bench_plan(config, arch, device_type, bench.methods, bench.concurrency, bench.max_new_tokens))
     slots = config.decode.max_batch
-    tokens = min(arch.max_position_embeddings, fitting_tokens(config, arch, "serve", slots, device_type, capacity, False))
+    tokens = min(arch.max_position_embeddings, most_that_fit(lambda n: decoding_plan(config, arch, "serve", slots, n, device_type).peak, capacity))
     plans.append(decoding_plan(config, arch, "serve", slots, max(tokens, MIN_CONTEXT), device_type))
     return plans
 
