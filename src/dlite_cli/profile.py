@@ -151,10 +151,7 @@ class Profiler:
         """Skip a (batch, context) whose KV caches would not fit in half the free memory."""
         span = context + max(self.plan.widths)
         need = batch * span * (self.target_kv + self.teacher_kv)
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+        free = device_memory(self.device)
         if need <= free / 2:
             return True
         result["skipped"].append({"batch": batch, "context": context, "reason": f"needs {need / 1e9:.1f} GB of KV cache, {free / 1e9:.1f} GB free"})
