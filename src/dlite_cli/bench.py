@@ -41,7 +41,7 @@ from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .graphs import CAPTURES
-from .memory import MemoryPlan, bench_plan, device_memory, refuse, size
+from .memory import MemoryPlan, bench_plan, checked, device_memory
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import PLOTS, write_report
@@ -156,12 +156,11 @@ class Bench:
         def planned(levels: list[int]) -> MemoryPlan:
             return bench_plan(self.config, arch, device.type, self.plan.methods, levels, self.plan.max_new_tokens)
 
-        plan = planned(levels)
-        if not plan.fits(capacity):
+        def advice() -> str:
             fitting = [level for level in levels if planned([level]).fits(capacity)]
-            refuse(plan, capacity, f"--concurrency {','.join(map(str, fitting))} fits" if fitting else "not even one row at the target's context fits")
-        self.log(f"bench plans {size(plan.peak)} of the {size(capacity)} free ({plan.setting})")
-        return plan
+            return f"--concurrency {','.join(map(str, fitting))} fits" if fitting else "not even one row at the target's context fits"
+
+        return checked(planned(levels), capacity, advice, self.log)
 
     def _load_episodes(self) -> tuple[dict[str, tuple[list[Episode], str]], dict]:
         """The plan's episodes per workload, and what is unavailable; a named ``--data`` that gives none is an error."""

@@ -355,6 +355,15 @@ def stage_plans(config: Config, arch, device_type: str, capacity: int) -> list[M
     return plans
 
 
+def checked(plan: MemoryPlan, capacity: int, advice, log=print) -> MemoryPlan:
+    """``plan``, said in one line, if it fits ``capacity`` bytes; else refused with ``advice()`` (what fits, worked
+    out only then)."""
+    if not plan.fits(capacity):
+        refuse(plan, capacity, advice())
+    log(f"{plan.stage} plans {size(plan.peak)} of the {size(capacity)} free ({plan.setting})")
+    return plan
+
+
 def refuse(plan: MemoryPlan, capacity: int, advice: str) -> None:
     """Raise the one-sentence refusal of a plan that does not fit ``capacity`` bytes."""
     raise DliteError(f"{plan.describe()} ({', '.join(f'{k} {size(v)}' for k, v in plan.parts.items())}), more than "

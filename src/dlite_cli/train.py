@@ -36,7 +36,7 @@ from .devices import median_ms, resolve_device
 from .errors import DliteError
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
 from .losses import cross_entropy, forward_kl, position_weights, stable_loss
-from .memory import MemoryPlan, device_memory, fitting_micro_batch, refuse, size, training_plan
+from .memory import MemoryPlan, checked, device_memory, fitting_micro_batch, training_plan
 from .model import FULL_HISTORY, Drafter, DrafterSpec
 from .progress import progress_bar
 from .precision import decide
@@ -307,14 +307,15 @@ class Trainer:
         GPU; on a CPU float32, the larger of the two it decides between)."""
         autocast = os.environ["ACCELERATE_MIXED_PRECISION"] if launched() and self.train.mixed_precision == "auto" else None
         processes = int(os.environ.get("WORLD_SIZE", "1"))
-        plan = training_plan(self.config, target_config, self.plan.name, device.type, autocast, processes=processes)
         capacity = device_memory(device)
-        if not plan.fits(capacity):
+
+        def advice() -> str:
             fitting = fitting_micro_batch(self.config, target_config, self.plan.name, device.type, capacity, autocast, processes)
-            refuse(plan, capacity, f"--set train.micro_batch={fitting} fits" if fitting else
-                   "not even one sequence a micro-batch fits: lower train.max_length or train.anchors_per_sample")
-        self.log(f"{self.plan.name} plans {size(plan.peak)} of the {size(capacity)} free ({plan.setting})")
-        return plan
+            return (f"--set train.micro_batch={fitting} fits" if fitting else
+                    "not even one sequence a micro-batch fits: lower train.max_length or train.anchors_per_sample")
+
+        plan = training_plan(self.config, target_config, self.plan.name, device.type, autocast, processes=processes)
+        return checked(plan, capacity, advice, self.log)
 
     # ----- inputs
 
