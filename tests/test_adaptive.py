@@ -1,18 +1,40 @@
 """Adaptive draft length: the cost rule, the online calibration, and a row's recent gain."""
 
+from types import SimpleNamespace
+
 from dlite_cli.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, Candidate, RowGain, VerifyCosts
 from dlite_cli.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from dlite_cli.model import greedy_pick
 
 
 def test_best_length_proposes_while_the_next_token_pays_for_its_verify():
     flat = VerifyCosts([40.0] * 5)  # a pass costs the same whatever it holds (a GPU at batch 1)
-    assert flat.best_length([0.2, 0.1, 0.1, 0.1], draft_ms=5) == 4
+    assert flat.best_length([[0.2, 0.1, 0.1, 0.1]], draft_ms=5) == 4
     nearly_flat = VerifyCosts([40.0, 40.5, 41.0, 41.5, 42.0])
-    assert nearly_flat.best_length([0.2, 0.1, 0.1, 0.1], draft_ms=5) == 2  # the third token adds 0.002 expected, for 0.5 ms
+    assert nearly_flat.best_length([[0.2, 0.1, 0.1, 0.1]], draft_ms=5) == 2  # the third token adds 0.002 expected, for 0.5 ms
     steep = VerifyCosts([40.0, 60.0, 80.0, 100.0, 120.0])  # each token adds half a step
-    assert steep.best_length([0.2, 0.1, 0.1, 0.1], draft_ms=5) == 0  # a fifth of a token is not worth half a step
-    assert steep.best_length([0.95, 0.9, 0.3, 0.1], draft_ms=5) == 2  # (1 + .95 + .855) / 85 beats the rest
-    assert steep.best_length([], draft_ms=5) == 0
+    assert steep.best_length([[0.2, 0.1, 0.1, 0.1]], draft_ms=5) == 0  # a fifth of a token is not worth half a step
+    assert steep.best_length([[0.95, 0.9, 0.3, 0.1]], draft_ms=5) == 2  # (1 + .95 + .855) / 85 beats the rest
+    assert steep.best_length([[]], draft_ms=5) == steep.best_length([], draft_ms=5) == 0
+    assert VerifyCosts([40.0, 41.0, 39.0, 39.0, 39.0]).best_length([[0.9]], draft_ms=5) == 1  # never past the proposals there are
+
+
+def test_a_batched_round_proposes_one_length_for_its_rows_at_what_a_pass_over_them_costs():
+    """Every row of a batched pass pays for the widest: the rows share one length, weighed at the batch's costs.
+    Compute-bound (a CPU), a pass over 4 rows of 2 tokens costs what 8 tokens do at batch 1; on a flat curve
+    (a GPU's fixed-shape path) a batch costs what a row does."""
+    steep = VerifyCosts([40.0 + 10 * i for i in range(8)])  # each token a quarter of a step
+    assert steep.at(1) is steep and steep.at(4).batch == 4 and steep.at(4) is steep.at(4)
+    assert steep.at(4).ms == [70.0, 110.0, 150.0, 190.0, 230.0, 270.0, 310.0, 350.0]  # T_1 at 4, 8, 12, … tokens
+    assert steep.best_length([[0.8, 0.5]], draft_ms=5) == 2  # alone: (1 + .8 + .4) / 65 beats 1 / 40
+    assert steep.at(4).best_length([[0.8, 0.5]], draft_ms=5) == 0  # one row of four: 4.8 / 115 < 4 / 75
+    assert steep.at(4).best_length([[0.9, 0.8]] * 4, draft_ms=5) == 2  # all four likely: (4 + 4 × 1.62) / 155 beats 7.6 / 115 and 4 / 75
+    assert not steep.at(4).worth_drafting((0.8, 1.0), draft_ms=5) and steep.worth_drafting((0.8, 1.0), draft_ms=5)
+    flat = VerifyCosts([40.0] * 8, padded=8)
+    assert flat.at(4).ms == [40.0] * 8 and flat.at(4).best_length([[0.5] * 7, [0.1] * 7], draft_ms=5) == 7
+    for _ in range(60):  # observed passes over 4 rows correct that batch's curve alone, its unseen widths in proportion
+        steep.at(4).observe(1, 140.0)
+    assert abs(steep.at(4).cost(1) - 140.0) < 1 and steep.at(4).cost(2) > 1.7 * 110.0 and steep.cost(1) == 40.0
 
 
 def test_a_row_is_drafted_only_while_its_rounds_beat_plain_steps_at_the_width_they_verify():
@@ -24,6 +46,17 @@ def test_a_row_is_drafted_only_while_its_rounds_beat_plain_steps_at_the_width_th
     assert steep.worth_drafting((0.7, 1.0), draft_ms=5)  # 1.7 × 40 ≥ 5 + 60
     assert not steep.worth_drafting((0.7, 4.0), draft_ms=5)  # the same gain over four proposals: a verify of 5 tokens
     assert steep.worth_drafting((0.0, 0.0), draft_ms=0)  # a round that proposes nothing costs a step
+
+
+def test_the_rows_of_a_batched_pass_propose_up_to_its_widest_row_for_nothing():
+    lookup = NgramDrafter(4)
+    lookup.adapt(VerifyCosts([40.0, 42.0, 44.0, 46.0, 48.0]))
+    likely = SimpleNamespace(slot=0, tokens=[1, 2, 3, 4, 5, 6, 1, 2, 3])  # a 3-token match: [4, 5, 6, 1] follows
+    unlikely = SimpleNamespace(slot=1, tokens=[7, 8, 9, 7])  # a 1-token match: [8, 9, 7]
+    assert (lookup.candidate(likely, 2).proposed, lookup.candidate(unlikely, 2).proposed) == (2, 1)  # each alone
+    draft = lookup.propose([likely, unlikely], greedy_pick)
+    assert draft.lengths == [2, 2] and draft.tokens.tolist() == [[4, 5, 6, 1], [8, 9, 7, 0]]
+    assert lookup.proposed[1].proposed == 2  # what the calibration learns from: the second token was reached too
 
 
 def test_calibration_learns_acceptance_of_the_positions_that_were_reached():

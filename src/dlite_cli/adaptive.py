@@ -1,21 +1,24 @@
 """How many tokens to propose: a drafter keeps proposing only while the next token pays for its verify.
 
-A round that proposes L tokens costs T_draft + T(L+1), where T(q) is the target's pass over q tokens
-measured on this machine (``TargetRunner.pass_costs``), and commits on average
+A round over B rows that proposes L tokens a row costs T_draft + T_B(L+1), where T_B(q) is the target's
+pass over B rows of q tokens on this machine (``TargetRunner.pass_costs``, then the passes the engine runs),
+and commits on average
 
-    1 + Σ_{i ≤ L} Π_{j ≤ i} a_j        a_j = P(draft j is accepted | drafts 1..j−1 were)
+    B + Σ_rows Σ_{i ≤ L} Π_{j ≤ i} a_j        a_j = P(draft j is accepted | drafts 1..j−1 were)
 
 tokens.  Per row and round the drafter estimates each a_j (:class:`Calibration`: what the target
-accepted of earlier proposals that looked alike — e.g. the same draft probability) and proposes the
-L that maximises tokens per millisecond (:meth:`VerifyCosts.best_length`).  On a CPU, where a verify
-of 8 tokens may cost 1.5 steps, that cuts the proposals a weak drafter would waste; where a wider
-pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row is drafted at all only while
-its recent drafted rounds, at the lengths they proposed, commit tokens faster than plain steps would
-(:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
+accepted of earlier proposals that looked alike — e.g. the same draft probability) and the round proposes
+the L that maximises tokens per millisecond (:meth:`VerifyCosts.best_length`): every row of a batched pass
+pays for its widest row, so the rows share one L.  On a CPU, where a verify of 8 tokens may cost 1.5 steps
+(and a pass over 4 rows of 8 tokens far more), that cuts the proposals a weak drafter would waste; where a
+wider pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row is drafted at all only
+while its recent drafted rounds, at the lengths they proposed, commit tokens faster than plain steps
+would (:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
 than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  A new
 row starts where recent rows ended, so short turns (a chat's, 32 tokens in the bench) do not each
 relearn that drafting does not pay.  The draft round's cost is measured at start-up, warm, like the
-verify costs.  Any such rule leaves the output exact: it depends only on the drafter's side.
+batch-1 verify costs; a batch's costs start from those (:meth:`VerifyCosts.at`).  Any such rule leaves
+the output exact: it depends only on the drafter's side.
 """
 
 from __future__ import annotations
@@ -36,26 +39,41 @@ COST_MEMORY = 0.1  # how far one batch-1 pass the engine ran moves the cost of i
 
 @dataclass
 class VerifyCosts:
-    """T(q), ms of a target pass over q = 1..K+1 tokens (index q − 1): measured at start-up at one context, then
-    corrected by the batch-1 passes the engine really runs (:meth:`observe`), since the context a row is at
-    changes them (float32 on a 2-core AVX2 CPU: a second token cost 12 % of a step at 512 tokens of context
-    and about 30 % at 50)."""
+    """T_B(q), ms of a target pass over ``batch`` = B rows of q = 1..K+1 tokens each (index q − 1).  The batch-1
+    curve is measured at start-up at one context; every curve is then corrected by the passes the engine really
+    runs (:meth:`observe`), since the context a row is at changes them (float32 on a 2-core AVX2 CPU: a second
+    token cost 12 % of a step at 512 tokens of context and about 30 % at 50)."""
 
     ms: list[float]
     padded: int = 1  # passes narrower than this are padded to it (the static path): they cost what it does
     seen: set = field(default_factory=set)  # the widths (index) passes were observed at
+    batch: int = 1
+    batches: dict = field(default_factory=dict)  # B > 1 → this curve's VerifyCosts for passes over B rows (:meth:`at`)
+
+    def at(self, batch: int) -> "VerifyCosts":
+        """The costs of passes over ``batch`` rows.  Until passes over that many rows are observed, T_B(q) is the
+        batch-1 curve read at B·q tokens (past its last width, continued at its mean slope): compute-bound, as on a
+        CPU, a batch costs what its tokens do; on a fixed-shape path, where the curve is flat, it stays flat."""
+        if batch <= 1:
+            return self
+        if batch not in self.batches:
+            K1 = len(self.ms)
+            slope = (self.ms[-1] - self.ms[0]) / (K1 - 1) if K1 > 1 else 0.0
+            tokens_ms = [self.cost(batch * q) if batch * q <= K1 else self.ms[-1] + slope * (batch * q - K1) for q in range(1, K1 + 1)]
+            self.batches[batch] = VerifyCosts(tokens_ms, self.padded, batch=batch)
+        return self.batches[batch]
 
     def _index(self, width: int) -> int:
         """Where T(width) is kept: a pass narrower than ``padded`` is run padded to it."""
         return min(max(width, self.padded), len(self.ms)) - 1
 
     def cost(self, width: int) -> float:
-        """T(width), ms."""
+        """T_B(width), ms."""
         return self.ms[self._index(width)]
 
     def observe(self, width: int, ms: float) -> None:
-        """A batch-1 pass of ``width`` tokens took ``ms``: that width's cost moves toward it, and the widths never
-        seen move in proportion, so the curve keeps the shape measured at start-up until each width is seen."""
+        """A pass of ``width`` tokens over this curve's rows took ``ms``: that width's cost moves toward it, and the
+        widths never seen move in proportion, so the curve keeps its starting shape until each width is seen."""
         i = self._index(width)
         ratio = (ms / self.ms[i]) ** COST_MEMORY
         self.seen.add(i)
@@ -65,26 +83,29 @@ class VerifyCosts:
             elif j not in self.seen:
                 self.ms[j] *= ratio
 
-    def best_length(self, accept: list[float], draft_ms: float) -> int:
-        """The L in 0..len(accept) that maximises (1 + Σ_{i≤L} Π_{j≤i} a_j) / (draft_ms + T(L+1))."""
-        best, best_rate, expected, reach = 0, 1 / (draft_ms + self.cost(1)), 1.0, 1.0
-        for i, a in enumerate(accept[: len(self.ms) - 1], start=1):
-            reach *= a
-            expected += reach
+    def best_length(self, accepts: list[list[float]], draft_ms: float) -> int:
+        """The L in 0..K that maximises the round's rate (B + Σ_rows Σ_{i≤L} Π_{j≤i} a_j) / (draft_ms + T_B(L+1)),
+        ``accepts`` holding each drafted row's a_1, a_2, … (rows of the batch not in it commit one token)."""
+        best, best_rate, expected = 0, self.batch / (draft_ms + self.cost(1)), float(self.batch)
+        reach = [1.0] * len(accepts)
+        for i in range(1, min(len(self.ms) - 1, max(map(len, accepts), default=0)) + 1):
+            for r, accept in enumerate(accepts):
+                reach[r] *= accept[i - 1] if i <= len(accept) else 0.0
+                expected += reach[r]
             rate = expected / (draft_ms + self.cost(i + 1))
             if rate > best_rate:
                 best, best_rate = i, rate
         return best
 
     def rate(self, accepted: float, proposed: float, draft_ms: float) -> float:
-        """Tokens per ms of a round that proposes ``proposed`` tokens, of which ``accepted`` are accepted:
-        (1 + accepted) / (draft_ms + T(proposed + 1))."""
-        return (1 + accepted) / (draft_ms + self.cost(round(proposed) + 1))
+        """Tokens per ms of a round in which one row proposes ``proposed`` tokens, of which ``accepted`` are
+        accepted, and the batch's other rows take a plain step: (B + accepted) / (draft_ms + T_B(proposed + 1))."""
+        return (self.batch + accepted) / (draft_ms + self.cost(round(proposed) + 1))
 
     def worth_drafting(self, gain: tuple[float, float], draft_ms: float) -> bool:
         """A row's round pays if, at its recent (accepted, proposed) per drafted round (:meth:`RowGain.expected`),
-        it commits tokens at least as fast as plain steps: rate(accepted, proposed, draft_ms) ≥ 1 / T(1)."""
-        return self.rate(*gain, draft_ms) * self.cost(1) >= 1
+        the batch commits tokens at least as fast as by plain steps: rate(accepted, proposed, draft_ms) ≥ B / T_B(1)."""
+        return self.rate(*gain, draft_ms) >= self.rate(0.0, 0.0, 0.0)
 
 
 @dataclass

@@ -103,18 +103,20 @@ class NgramDrafter(NoDrafter):
 
     def propose(self, rows, pick) -> Draft:
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
-        lengths = []
-        for b, row in enumerate(rows):
-            candidate = self.proposed[row.slot] = self.candidate(row)
-            tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
-            lengths.append(candidate.proposed)
-        return Draft(tokens, lengths, None)
+        candidates = [self.candidate(row, len(rows)) for row in rows]
+        widen(candidates, max(c.proposed for c in candidates))
+        for b, (row, candidate) in enumerate(zip(rows, candidates)):
+            self.proposed[row.slot] = candidate
+            tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
+        return Draft(tokens, [c.proposed for c in candidates], None)
 
-    def candidate(self, row) -> Candidate:
-        """The lookup's continuation for ``row``, of which the part worth proposing is proposed."""
+    def candidate(self, row, batch: int = 1) -> Candidate:
+        """The lookup's continuation for ``row``, of which the part worth proposing in a round over ``batch`` rows
+        is proposed."""
         continuation, n = self._lookup(torch.tensor(row.tokens))
         keys = [(n, i) for i in range(len(continuation))]
-        proposed = len(keys) if self.costs is None else self.costs.best_length([self.calibration.estimate(k) for k in keys], 0.0)
+        accept = [self.calibration.estimate(k) for k in keys]
+        proposed = len(keys) if self.costs is None else self.costs.at(batch).best_length([accept], 0.0)
         return Candidate(continuation.tolist(), keys, proposed)
 
     def expected_gain(self, candidate: Candidate) -> float:
@@ -162,9 +164,12 @@ class ModelDrafter(NoDrafter):
         """ms of one draft round at batch 1 here (warm, median)."""
         raise NotImplementedError
 
-    def propose(self, rows, pick) -> Draft:
+    def propose(self, rows, pick, batch: int | None = None) -> Draft:
+        """Up to K proposals for each of ``rows``, the round's (or, given ``batch``, some of its ``batch`` rows: the
+        hybrid's); adaptive, the drafted rows share one length, since the pass costs its widest row."""
         B, K = len(rows), self.draft_tokens
-        drafted = [b for b, row in enumerate(rows) if self.costs is None or self.costs.worth_drafting(self.gain.expected(row.slot), self.draft_ms)]
+        costs = None if self.costs is None else self.costs.at(batch or B)
+        drafted = [b for b, row in enumerate(rows) if costs is None or costs.worth_drafting(self.gain.expected(row.slot), self.draft_ms)]
         for b in set(range(B)) - set(drafted):
             self.gain.skipped(rows[b].slot)
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
@@ -176,10 +181,10 @@ class ModelDrafter(NoDrafter):
             lengths = [K if b in drafted else 0 for b in range(B)]
         else:  # one read of the drafts and their probabilities
             read = torch.cat([draft.tokens.float(), draft.confidence.float()], dim=1).tolist()
+            keys = [[min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for c in row_read[K:]] for row_read in read]
+            proposed = costs.best_length([[self.calibration.estimate(k) for k in row_keys] for row_keys in keys], self.draft_ms)
             for i, b in enumerate(drafted):
-                keys = [min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for c in read[i][K:]]
-                proposed = self.costs.best_length([self.calibration.estimate(k) for k in keys], self.draft_ms)
-                self.proposed[rows[b].slot] = Candidate([int(t) for t in read[i][:K]], keys, proposed)
+                self.proposed[rows[b].slot] = Candidate([int(t) for t in read[i][:K]], keys[i], proposed)
                 lengths[b] = proposed
         for b in drafted:
             self.gain.drafting.add(rows[b].slot)
@@ -279,31 +284,37 @@ class HybridDrafter(NoDrafter):
     def propose(self, rows, pick) -> Draft:
         B, K = len(rows), self.draft_tokens
         tokens = torch.zeros(B, K, dtype=torch.long, device=self.model._device)
-        lengths, by_model = [0] * B, []
+        lengths, lookups, by_model = [0] * B, {}, []  # lookups: row → its lookup candidate; by_model: rows the model drafts
         for b, row in enumerate(rows):
-            candidate = self.lookup.candidate(row)
-            if candidate.proposed and self._lookup_first(candidate, row.slot):
-                self.lookup.proposed[row.slot] = candidate
-                tokens[b, : candidate.proposed] = torch.tensor(candidate.tokens[: candidate.proposed])
+            candidate = self.lookup.candidate(row, B)
+            if candidate.proposed and self._lookup_first(candidate, row.slot, B):
+                lookups[b] = self.lookup.proposed[row.slot] = candidate
+                tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
                 lengths[b] = candidate.proposed
             else:
                 by_model.append(b)
-        if not by_model:
-            return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
-        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model))
-        index = torch.tensor(by_model, device=tokens.device)
-        tokens.index_copy_(0, index, draft.tokens.to(tokens.device))
+        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model), batch=B) if by_model else None
         for i, b in enumerate(by_model):
             lengths[b] = draft.lengths[i]
+        candidates = {**lookups, **{b: self.model.proposed[rows[b].slot] for b in by_model if rows[b].slot in self.model.proposed}}
+        widen(list(candidates.values()), max(lengths))
+        for b, candidate in candidates.items():
+            lengths[b] = candidate.proposed
+        if draft is None:
+            return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
+        index = torch.tensor(by_model, device=tokens.device)
+        tokens.index_copy_(0, index, draft.tokens.to(tokens.device))
         logits = None if draft.logits is None else one_hot_logits(tokens, self.vocab_size, draft.logits.dtype).index_copy_(0, index, draft.logits.to(tokens.device))
         return Draft(tokens, lengths, logits)
 
-    def _lookup_first(self, candidate: Candidate, slot: int) -> bool:
-        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row."""
+    def _lookup_first(self, candidate: Candidate, slot: int, batch: int = 1) -> bool:
+        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row,
+        in a round over ``batch`` rows."""
         expected, (accepted, proposed) = self.lookup.expected_gain(candidate), self.model.gain.expected(slot)
         if self.costs is None:
             return expected >= accepted
-        return self.costs.rate(expected, candidate.proposed, 0.0) >= self.costs.rate(accepted, proposed, self.model.draft_ms)
+        costs = self.costs.at(batch)
+        return costs.rate(expected, candidate.proposed, 0.0) >= costs.rate(accepted, proposed, self.model.draft_ms)
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
         self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
@@ -311,6 +322,13 @@ class HybridDrafter(NoDrafter):
 
     def end(self, row) -> None:
         self.model.end(row)
+
+
+def widen(candidates: list[Candidate], width: int) -> None:
+    """Each candidate proposes as many of its tokens as fit ``width``, the round's widest proposal: a batched pass
+    costs its widest row, so the other rows' further tokens are verified for nothing."""
+    for candidate in candidates:
+        candidate.proposed = max(candidate.proposed, min(len(candidate.tokens), width))
 
 
 def for_rows(pick, indices: list[int]):

@@ -294,8 +294,8 @@ class Engine:
         logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
         t2, c2 = now(device), CAPTURES.seconds
         draft_seconds, verify_seconds = t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1)  # a graph's capture is not the round's work
-        if self.drafter.costs is not None and len(rows) == 1:  # what a pass of this width costs at this row's context
-            self.drafter.costs.observe(tokens.shape[1], 1000 * verify_seconds)
+        if self.drafter.costs is not None:  # what a pass of this width over these rows costs at their contexts
+            self.drafter.costs.at(len(rows)).observe(tokens.shape[1], 1000 * verify_seconds)
         greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
         # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
         read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
