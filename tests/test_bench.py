@@ -151,6 +151,18 @@ def test_a_named_data_file_that_gives_no_episode_is_an_error(cache_dir, tmp_path
     assert not (tmp_path / "runs" / "micro" / "bench").exists()  # refused before anything was written
 
 
+def test_a_speedups_interval_pairs_each_episode_with_plain_decodings_on_it():
+    from dlite_cli.report import speedup_interval
+
+    plain = {"a": (1.0, 10), "b": (3.0, 10), "c": (2.0, 10), "d": (1.5, 10)}  # episodes of very different speeds
+    twice = {e: (s / 2, n) for e, (s, n) in plain.items()}
+    assert speedup_interval(plain, twice) == (2.0, 2.0)  # paired, the spread across episodes does not blur it
+    mixed = {"a": (0.8, 10), "b": (3.3, 10), "c": (1.8, 10), "d": (1.6, 10)}  # faster on two, slower on two
+    low, high = speedup_interval(plain, mixed)
+    assert low < 1.0 < high
+    assert speedup_interval(plain, {"a": (0.5, 10)}) is None  # one shared episode: no interval
+
+
 def test_log_axes_are_labelled_with_plain_numbers_only():
     import matplotlib
 

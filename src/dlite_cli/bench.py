@@ -237,10 +237,12 @@ class Bench:
     def _episodes(self, episodes: dict[str, tuple[list[Episode], str]], reuse_from: int) -> tuple[list[dict], int]:
         """Every method on every episode, the stored measurements reused → the plan's records, and how many were measured."""
         stored = stored_by_key(self.results, reuse_from)
-        work = []  # (workload, episode, source, method, key), interleaved: every method on an episode, then the next
+        # (workload, episode, source, method, key), interleaved: every method on an episode, then the next, in order and then
+        # in reverse, so that a machine that speeds up or slows down during an episode's runs favours no method
+        work = []
         for name, (items, source) in episodes.items():
-            for episode in items:
-                for method in self.engines:
+            for index, episode in enumerate(items):
+                for method in list(self.engines)[:: 1 if index % 2 == 0 else -1]:
                     key = self._key(method=method, drafter=self.fingerprints[method], workload=name, episode=episode.id,
                                     text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
                     work.append((name, episode, source, method, key))

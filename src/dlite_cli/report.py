@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import random
 from pathlib import Path
 
 import yaml
@@ -27,6 +28,7 @@ from .workloads import BY_NAME
 PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
 CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 PLOTS = ("tau_vs_context.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
+RESAMPLES = 2000  # bootstrap resamples of a workload's episodes behind a speedup's interval
 
 
 def paper_results() -> dict:
@@ -47,12 +49,15 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         group = groups.setdefault((record["workload"], record["method"]), {
             "rounds": 0, "committed": 0, "tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
             "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"],
-            "origin": record.get("origin", ""), "draft_kv_bytes": 0,
+            "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {},
         })
         group["episodes"] += 1
+        episode = group["by_episode"].setdefault(record["episode"], [0.0, 0])  # [decode s, tokens]
         for turn in record["turns"]:
             if "skipped" in turn:
                 continue
+            episode[0] += turn["draft_s"] + turn["verify_s"] + turn["overhead_s"]
+            episode[1] += turn["generated_tokens"]
             group["rounds"] += turn["rounds"]
             group["committed"] += turn["committed"]
             group["tokens"] += turn["generated_tokens"]
@@ -68,10 +73,12 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
         # the baseline is the fastest plain decoding measured (ar, or ar:fastest where the methods' passes are padded)
         plain = [groups[workload, m] for m in ("ar", "ar:fastest") if (workload, m) in groups and groups[workload, m]["tokens"]]
-        ar_per_token = min((a["decode_s"] / a["tokens"] for a in plain), default=None)
+        baseline = min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
+        ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
         out[workload, method] = {
             "tau": g["committed"] / g["rounds"] if g["rounds"] else None,
             "speedup": ar_per_token / per_token if ar_per_token and per_token else None,
+            "speedup_interval": speedup_interval(baseline["by_episode"], g["by_episode"]) if baseline else None,
             "tokens_per_s": g["tokens"] / g["decode_s"] if g["decode_s"] else None,
             "draft_ms_per_round": 1000 * g["draft_s"] / g["rounds"] if g["rounds"] else None,
             "verify_ms_per_round": 1000 * g["verify_s"] / g["rounds"] if g["rounds"] else None,
@@ -82,6 +89,24 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             "draft_kv_bytes": g["draft_kv_bytes"],
         }
     return out
+
+
+def speedup_interval(plain: dict, method: dict, level: float = 0.9) -> tuple[float, float] | None:
+    """The ``level`` bootstrap interval of a workload's speedup: its episodes resampled with replacement, each
+    (decode s, tokens) of plain decoding paired with the method's on the same episode (they ran one after the
+    other, so a machine that slows for a while slows both).  None with fewer than two shared episodes."""
+    shared = sorted(set(plain) & set(method))
+    if len(shared) < 2:
+        return None
+    rng, ratios = random.Random(0), []
+    for _ in range(RESAMPLES):
+        sample = rng.choices(shared, k=len(shared))
+        plain_s, plain_tokens, method_s, method_tokens = (sum(source[e][i] for e in sample) for source in (plain, method) for i in (0, 1))
+        if plain_tokens and method_s:
+            ratios.append((plain_s / plain_tokens) / (method_s / method_tokens))
+    ratios.sort()
+    tail = (1 - level) / 2
+    return ratios[int(tail * len(ratios))], ratios[min(int((1 - tail) * len(ratios)), len(ratios) - 1)]
 
 
 def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -287,15 +312,19 @@ def write_report(directory: Path, results: list[dict], throughput: list[dict], u
     plots = write_plots(directory, results, throughput)
     stats = aggregate(results)
     detail = Table("details", "All workloads, every measurement", ["workload", "method", "source", "episodes", "tokens", "tau", "speedup",
-                                                                    "tokens/s", "proposed/round", "draft ms/round", "verify ms/round", "prefill s",
+                                                                    "speedup 90% interval", "tokens/s", "proposed/round", "draft ms/round", "verify ms/round", "prefill s",
                                                                     "draft KV MB", "acceptance"])
     for (workload, method), s in sorted(stats.items()):
         detail.rows.append({"workload": workload, "method": method, "source": s["source"], "episodes": s["episodes"], "tokens": s["tokens"],
-                            "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]), "tokens/s": _cell(s["tokens_per_s"], 1),
+                            "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]),
+                            "speedup 90% interval": "–".join(_cell(v) for v in s["speedup_interval"]) if s["speedup_interval"] else "",
+                            "tokens/s": _cell(s["tokens_per_s"], 1),
                             "proposed/round": _cell(s["proposed_per_round"]),
                             "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
                             "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
                             "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})
+    detail.notes.append("speedup 90% interval: the workload's episodes resampled (bootstrap), each method's time paired with plain "
+                        "decoding's on the same episode; where it spans 1.00 the episodes cannot tell the method from plain decoding")
     detail.notes.append("prefill s: the target's own work, shared: a method reuses the prompt keys/values an earlier method "
                         "left on the same episode, except history drafters, which need every prompt position's features")
     detail.write(directory)
