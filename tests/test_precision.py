@@ -28,6 +28,9 @@ def test_each_option_keeps_its_best_of_two_timings_taken_in_mirrored_order():
     timings = {"float32": iter([30.0, 31.0]), "bfloat16": iter([90.0, 20.0])}  # bfloat16's first timing hit a passing load
     ms = precision.measure({name: lambda times=times: next(times) for name, times in timings.items()})
     assert ms == {"float32": 30.0, "bfloat16": 20.0} and fastest(ms) == "bfloat16"
+    calls = []
+    clear = {"no": 1230.0, "bf16": 24900.0}  # a bf16-autocast step without native bfloat16: 20x, timed once
+    assert precision.measure({name: lambda name=name: calls.append(name) or clear[name] for name in clear}) == clear and calls == ["no", "bf16"]
 
 
 def test_a_decision_is_measured_once_per_machine_remembered_and_printed_with_both_timings(cache_dir):
