@@ -34,7 +34,7 @@ GAIN_DECAY = 0.9
 # GAIN_HOPE rounds: about GAIN_HOPE / (1 − GAIN_DECAY) = 5 % of plain decoding, far less when it nearly pays.
 GAIN_HOPE = 0.005
 ROW_MEMORY = 0.5  # how far an ended row's last gain moves where new rows start (about the last 2 rows)
-COST_MEMORY = 0.1  # how far one batch-1 pass the engine ran moves the cost of its width (about the last 10)
+COST_MEMORY = 0.1  # how far one pass the engine ran moves the cost of its width and batch (about the last 10)
 
 
 @dataclass

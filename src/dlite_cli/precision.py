@@ -14,7 +14,8 @@ single decode step may still be quicker.  A decision is measured once per machin
 matters), remembered in the dlite cache, printed as one line with both timings, and recorded in the manifest
 of the stage that asked for it (:func:`made`).  Each option is timed twice, in mirrored order, and keeps its best
 (:func:`measure`), so that a passing load (just after an install: a bfloat16 pass once timed 498 ms, 155 ms
-minutes later) does not decide for the machine; a first round that parts them by more than 5x is not repeated.  An explicit value in a config or ``--set`` is never measured.
+minutes later) does not decide for the machine; a first round that parts them by more than 5x is not repeated.
+An explicit value in a config or ``--set`` is never measured.
 """
 
 from __future__ import annotations
