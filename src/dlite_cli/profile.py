@@ -154,7 +154,7 @@ class Profiler:
         free = device_memory(self.device)
         if need <= free / 2:
             return True
-        result["skipped"].append({"batch": batch, "context": context, "reason": f"needs {need / 1e9:.1f} GB of KV cache, {free / 1e9:.1f} GB free"})
+        result["skipped"].append({"batch": batch, "context": context, "reason": f"needs {size(need)} of KV cache, {size(free)} free"})
         return False
 
     def _release(self) -> None:

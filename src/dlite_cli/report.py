@@ -47,7 +47,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
     groups: dict[tuple[str, str], dict] = {}
     for record in results:
         group = groups.setdefault((record["workload"], record["method"]), {
-            "rounds": 0, "committed": 0, "tokens": 0, "decode_s": 0.0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
+            "rounds": 0, "committed": 0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
             "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"],
             "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {},
         })
@@ -60,14 +60,14 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             episode[1] += turn["generated_tokens"]
             group["rounds"] += turn["rounds"]
             group["committed"] += turn["committed"]
-            group["tokens"] += turn["generated_tokens"]
-            group["decode_s"] += turn["draft_s"] + turn["verify_s"] + turn["overhead_s"]
             group["prefill_s"] += turn["prefill_s"]
             group["draft_s"] += turn["draft_s"]
             group["verify_s"] += turn["verify_s"]
             group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
             for key in ("proposed", "accepted"):
                 group[key] = [a + b for a, b in zip(group[key], turn[key])] if group[key] else list(turn[key])
+    for g in groups.values():  # the workload's totals are its episodes'
+        g["decode_s"], g["tokens"] = (sum(column) for column in zip(*g["by_episode"].values()))
     out = {}
     for (workload, method), g in groups.items():
         per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
