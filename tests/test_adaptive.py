@@ -32,7 +32,7 @@ def test_a_batched_round_proposes_one_length_for_its_rows_at_what_a_pass_over_th
     assert not steep.at(4).worth_drafting((0.8, 1.0), draft_ms=5) and steep.worth_drafting((0.8, 1.0), draft_ms=5)
     flat = VerifyCosts([40.0] * 8, padded=8)
     assert flat.at(4).ms == [40.0] * 8 and flat.at(4).best_length([[0.5] * 7, [0.1] * 7], draft_ms=5) == 7
-    for _ in range(60):  # observed passes over 4 rows correct that batch's curve alone, its unseen widths in proportion
+    for _ in range(60):  # observed passes over 4 rows correct that batch's curve alone, its other widths with them
         steep.at(4).observe(1, 140.0)
     assert abs(steep.at(4).cost(1) - 140.0) < 1 and steep.at(4).cost(2) > 1.7 * 110.0 and steep.cost(1) == 40.0
 
@@ -123,16 +123,22 @@ def test_short_rows_start_where_recent_rows_ended():
 
 
 def test_costs_follow_the_passes_the_engine_runs_at_the_rows_context():
-    """Measured at 512 tokens of context a second token costs 12 % of a step; at 50 tokens it costs 30 %: the
-    passes the engine runs correct the start-up curve, and a width never run keeps its place on it."""
+    """The start-up curve is measured at one context.  Passes of several widths at another settle each width on
+    what it costs there; when the context grows and only plain steps run, the widths not run rise with them
+    instead of keeping what they cost at the shorter context (where drafting would still look paid for)."""
     costs = VerifyCosts([73.0, 82.0, 95.0])
-    for _ in range(60):
-        costs.observe(2, 69.0)
-    assert abs(costs.cost(2) - 69.0) < 0.5 and abs(costs.cost(1) - 73.0 * 69 / 82) < 0.5  # unseen: scaled with it
-    for _ in range(60):
+    for _ in range(200):
         costs.observe(1, 52.0)
-    assert abs(costs.cost(1) - 52.0) < 0.5 and abs(costs.cost(2) - 69.0) < 0.5
-    assert not costs.worth_drafting((0.4, 1.0), draft_ms=12)  # at 512 it would have paid: 1.4 × 73 ≥ 12 + 82
+        costs.observe(2, 69.0)
+    assert abs(costs.cost(1) - 52.0) < 0.5 and abs(costs.cost(2) - 69.0) < 0.5 and costs.cost(3) < 95.0  # unrun: with the level
+    grown = VerifyCosts([73.0, 82.0, 95.0])
+    for _ in range(100):
+        grown.observe(1, 73.0)
+        grown.observe(3, 95.0)
+    for _ in range(60):  # the context grows: a step costs 110 ms, and no row is drafted
+        grown.observe(1, 110.0)
+    assert abs(grown.cost(1) - 110.0) < 0.5 and grown.cost(3) > 125.0  # 95 ms at the shorter context
+    assert not grown.worth_drafting((0.25, 2.0), draft_ms=12)  # at 95 ms it would have looked paid for: 1.25 / 107 > 1 / 110
     padded = VerifyCosts([50.0] * 4, padded=4)  # the static path: every pass is 4 wide
     for _ in range(60):
         padded.observe(1, 40.0)
