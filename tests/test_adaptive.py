@@ -85,7 +85,7 @@ def test_a_row_that_gains_nothing_is_skipped_then_probed_again():
 
 def test_where_drafting_never_pays_probes_cost_a_few_percent_of_plain_decoding():
     """A drafter that is never right, on a CPU where a 2-token verify costs 1.5 steps: after its first
-    rounds it is only probed, and the probes cost at most ~5 % over plain decoding."""
+    rounds it is only probed, and the probes cost at most ~2.5 % over plain decoding."""
     gain, costs, draft_ms = RowGain(), VerifyCosts([40.0, 60.0]), 5.0
     plain_ms = spent_ms = 0.0
     for round_ in range(3000):
@@ -97,13 +97,13 @@ def test_where_drafting_never_pays_probes_cost_a_few_percent_of_plain_decoding()
         if round_ >= 1000:  # past the hopeful start
             plain_ms += costs.ms[0]
             spent_ms += draft_ms + costs.ms[1] if drafted else costs.ms[0]
-    assert 1.0 < spent_ms / plain_ms <= 1.05
+    assert 1.0 < spent_ms / plain_ms <= 1.03
 
 
 def test_short_rows_start_where_recent_rows_ended():
     """Turns of 25 rounds each (a chat's 32 tokens), one after another in one slot, on the CPU above.  With a
     drafter that is never right only the first rows learn that drafting does not pay, and probes stay within
-    ~5 % of plain decoding (a hopeful start for every row would draft 5 of each 25 rounds: 12 %).  With a
+    ~2.5 % of plain decoding (a hopeful start for every row would draft 5 of each 25 rounds: 12 %).  With a
     drafter that is always right every round of every row is drafted."""
     costs, draft_ms = VerifyCosts([40.0, 60.0]), 5.0
 
@@ -118,7 +118,7 @@ def test_short_rows_start_where_recent_rows_ended():
 
     later = drafted_rounds(accepted=0)[25 * 20 :]  # past the first 20 rows
     spent_ms = sum(draft_ms + costs.ms[1] if drafted else costs.ms[0] for drafted in later)
-    assert 1.0 < spent_ms / (len(later) * costs.ms[0]) <= 1.05
+    assert 1.0 < spent_ms / (len(later) * costs.ms[0]) <= 1.03
     assert all(drafted_rounds(accepted=1))
 
 

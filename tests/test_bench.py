@@ -64,7 +64,7 @@ def test_tables_have_the_papers_columns_and_rows_beside_ours(bench_dir):
     paper = next(r for r in table3["rows"] if r["target"] == "Qwen3-4B (paper)" and r["method"] == "DLite")
     assert paper["SWE-Bench speedup"] == "2.68" and paper["SWE-Bench tau"] == "3.15" and paper["AgentMemoryBench tau"] == ""
     assert table3["columns"][-6:] == [f"{w} {m}" for w in ("SWE-Bench", "ToolTalk", "τ²-bench airline") for m in ("speedup", "tau")]
-    assert paper["ToolTalk speedup"] == ""
+    assert not paper.get("ToolTalk speedup")  # the paper has no ToolTalk column
     assert paper["hardware"] == "NVIDIA H800 (SGLang)" and ours["mydrafter"]["drafter"] == "mydrafter"
     assert (paper["origin"], ours["mydrafter"]["origin"], ours["ngram"]["origin"]) == ("paper", "unknown", "no checkpoint")
     notes = " ".join(table3["notes"])  # a workload whose data is missing says why; a missing method too
