@@ -109,9 +109,9 @@ def test_a_killed_bench_resumes_without_duplicating(cache_dir, tmp_path):
     before = len(lines(results))
     subprocess.run(command, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
     keys = Counter((r["workload"], r["episode"], r["method"]) for r in lines(results))
-    assert before >= 2 and max(keys.values()) == 1 and len(keys) == 2 * 2 * 2  # (bfcl_v3, swe_bench) x 2 episodes x 2 methods
+    assert before >= 2 and max(keys.values()) == 1 and len(keys) == 4 * 2 * 2  # (bfcl_v3, tooltalk, tau2_airline, swe_bench) x 2 episodes x 2 methods
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert "measured 0, reused 8" in again.stderr and len(lines(results)) == 8
+    assert "measured 0, reused 16" in again.stderr and len(lines(results)) == 16
 
 
 def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_again(cache_dir, tmp_path):
@@ -121,7 +121,7 @@ def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_ag
         subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, *args], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
 
     run = tmp_path / "runs" / "micro" / "bench"
-    bench("--suite", "agentic", "--methods", "ar,ngram")  # bfcl_v3 and swe_bench, one episode each
+    bench("--suite", "agentic", "--methods", "ar,ngram")  # bfcl_v3, tooltalk, tau2_airline and swe_bench, one episode each
     first = lines(run / "results.jsonl")
     bench("--workload", "swe_bench", "--limit", "2", "--methods", "ar,ngram,ngram:fixed")  # more episodes, one more method
     records = lines(run / "results.jsonl")
