@@ -127,7 +127,7 @@ def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 class Table:
     """Columns and rows of one table; rows are dicts keyed by column name.  It is written through a pandas
-    DataFrame (:meth:`frame`): Markdown, CSV and LaTeX by its writers, and JSON with the notes."""
+    DataFrame (:meth:`frame`): CSV and LaTeX by its writers, Markdown from its rows, JSON with the notes."""
 
     def __init__(self, name: str, title: str, columns: list[str]):
         self.name, self.title, self.columns, self.rows, self.notes = name, title, columns, [], []
@@ -142,8 +142,12 @@ class Table:
         atomic_write_text(directory / f"{self.name}.tex", self.latex())
 
     def markdown(self) -> str:
-        table = self.frame().to_markdown(index=False, disable_numparse=True)  # "1.00" stays as written
-        return "\n".join([f"### {self.title}", "", table, ""] + [f"- {note}" for note in self.notes]) + "\n"
+        """A pipe table from the frame (pandas' own ``to_markdown`` needs ``tabulate``, which a GPU machine's
+        python may lack)."""
+        frame = self.frame().astype(str)
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(row) + " |" for row in frame.itertuples(index=False)]
+        return "\n".join(lines + [""] + [f"- {note}" for note in self.notes]) + "\n"
 
     def latex(self) -> str:
         caption = self.title.replace("\\", r"\textbackslash{}")
