@@ -116,13 +116,14 @@ def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], l
 
 
 class FeatureCache:
-    """``<run>/features/``: shards of Sequences in half precision, written once, read by every stage."""
+    """``<run>/features/``: shards of Sequences in half precision, written once, read by every stage.  It may hold
+    more layers than a drafter reads (an ablation study's cache holds every variant's): :meth:`load` picks."""
 
     def __init__(self, run_dir: Path):
         self.stage = Stage(run_dir, "features")
 
     def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log) -> None:
-        """Compute missing shards; resumable at shard granularity."""
+        """Compute missing shards of the features of ``layer_ids``; resumable at shard granularity."""
         train = config.train
         digest = config_hash(config.target.identity(), {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
         if not self.stage.begin(digest, {"layers": layer_ids, "top_k": train.target_top_k}, inputs, force):
@@ -171,15 +172,22 @@ class FeatureCache:
         with atomic_path(self._shard_path(index)) as tmp:
             save_file(tensors, tmp)
 
-    def load(self, require_done: bool = True) -> list[Sequence]:
+    def load(self, layer_ids: list[int] | None = None, require_done: bool = True) -> list[Sequence]:
+        """Every cached Sequence, with the features of ``layer_ids`` only (None: all the cache holds), in their order."""
         from safetensors.torch import load_file
 
         manifest = self.stage.manifest()
         if require_done and (manifest is None or manifest["status"] != "done"):
             raise DliteError(f"the target feature cache in {self.stage.dir} is incomplete: run the training stage again to finish it")
+        held = manifest["config"]["layers"]
+        if layer_ids is not None and not set(layer_ids) <= set(held):
+            raise DliteError(f"the target feature cache in {self.stage.dir} holds layers {held}, not all of {layer_ids}")
+        columns = None if layer_ids is None or layer_ids == held else torch.tensor([held.index(i) for i in layer_ids])
         sequences = []
         for path in sorted(self.stage.dir.glob("*.safetensors")):
             shard = load_file(path)
+            if columns is not None:
+                shard["features"] = shard["features"][:, columns]
             starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
             from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
             for start, length, prompt_len, flag in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(), from_target):

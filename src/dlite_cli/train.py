@@ -272,12 +272,24 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
 # ---------------------------------------------------------------- the trainer
 
 
+@dataclass
+class SharedInputs:
+    """What a stage trained in a run directory of its own (an ablation variant's) shares with others: the regen
+    stage of ``regen_dir``, and the feature cache in ``features_dir``, which holds the features of ``layer_ids``
+    (every variant's layers: each variant reads its own)."""
+
+    regen_dir: Path
+    features_dir: Path
+    layer_ids: list[int]
+
+
 class Trainer:
-    def __init__(self, config: Config, run_dir: Path, stage_name: str, log=print):
+    def __init__(self, config: Config, run_dir: Path, stage_name: str, log=print, shared: SharedInputs | None = None):
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
 
         self.config, self.train, self.run_dir, self.log = config, config.train, Path(run_dir), log
+        self.shared = shared
         self.plan = stage_plan(stage_name, config.train)
         self.stage = Stage(self.run_dir, stage_name)
         self.metrics = self.stage.dir / "metrics.jsonl"
@@ -319,10 +331,15 @@ class Trainer:
 
     # ----- inputs
 
+    @property
+    def regen_dir(self) -> Path:
+        return self.shared.regen_dir if self.shared else self.run_dir
+
     def _upstream(self, name: str) -> dict:
-        manifest = Stage(self.run_dir, name).manifest()
+        where = self.regen_dir if name == "regen" else self.run_dir
+        manifest = Stage(where, name).manifest()
         if manifest is None or manifest["status"] != "done":
-            raise DliteError(f"stage {self.plan.name} needs a finished `{name}` stage in {self.run_dir}: run `dlite {name}` first")
+            raise DliteError(f"stage {self.plan.name} needs a finished `{name}` stage in {where}: run `dlite {name}` first")
         return manifest
 
     def run(self, force: bool = False) -> dict:
@@ -358,17 +375,18 @@ class Trainer:
 
     def _sequences(self, inputs: dict, force: bool) -> tuple[list[Sequence] | list[dict], list[Sequence] | list[dict]]:
         """(train, eval) items: cached Sequences, or (online) regen records the target runs over later."""
-        records = load_records(self.run_dir)
+        records = load_records(self.regen_dir)
         train_records, eval_records = split_records(records, self.train.eval_samples)
         if len(train_records) < self.train.global_batch:
             raise DliteError(f"only {len(train_records)} training sequences, fewer than train.global_batch={self.train.global_batch}")
         if self.train.features == "online":
             return train_records, eval_records
-        cache = FeatureCache(self.run_dir)
+        cache = FeatureCache(self.shared.features_dir if self.shared else self.run_dir)
+        layers = self.shared.layer_ids if self.shared else self.spec.target_layer_ids
         if self.accelerator.is_main_process:
-            cache.build(self.config, records, self.target_model, self.spec.target_layer_ids, {"regen": inputs["regen"], "target": inputs["target"]}, force, self.log)
+            cache.build(self.config, records, self.target_model, layers, {"regen": inputs["regen"], "target": inputs["target"]}, force, self.log)
         self.accelerator.wait_for_everyone()
-        by_position = cache.load()
+        by_position = cache.load(self.spec.target_layer_ids)
         index = {r["id"]: i for i, r in enumerate(records)}
         return [by_position[index[r["id"]]] for r in train_records], [by_position[index[r["id"]]] for r in eval_records]
 
