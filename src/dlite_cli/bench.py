@@ -100,9 +100,9 @@ class Bench:
         self.stage = Stage(run_dir, "bench")
         self.results, self.throughput = self.stage.dir / "results.jsonl", self.stage.dir / "concurrency.jsonl"
 
-    def run(self, force: bool = False) -> dict:
+    def run(self, force: bool = False) -> list[dict]:
         """Measure what the run directory does not hold yet (with ``force``, all of the plan), write the plan's
-        tables → {"measured": n, "reused": n}."""
+        tables → the plan's episode measurements (records as in results.jsonl)."""
         episodes, unavailable = self._load_episodes()
         memory = self._memory_plan()
         model, self.tokenizer, target = load_target(self.config.target, self.log, Work.decoding(self.config))
@@ -146,7 +146,7 @@ class Bench:
         self.log(f"bench plan {self.plan_dir.name}: measured {counts['measured']}, reused {counts['reused']} "
                  f"(episode runs and concurrency levels; --force measures them again)")
         self._report(results, throughput, unavailable)
-        return counts
+        return results
 
     def _memory_plan(self) -> MemoryPlan:
         """The plan's memory plan (memory.py) on the target's device; one that does not fit is refused before the target loads."""

@@ -244,6 +244,20 @@ def bench(
 
 
 @app.command()
+def ablate(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None, set_: SetOption = None) -> None:
+    """The paper's ablations around the config's drafter (its ablations section): train every variant, bench them side
+    by side, and write Table 5 (design space) and Figure 5 (held-out τ during training) to RUN/ablations/.
+
+    Each variant is a run directory under RUN/ablations/ that reads the run's regen (run `dlite regen` first); every
+    one resumes, so run the command again after an interruption.
+    """
+    from .ablations import Study
+
+    config = _load(target, set_)
+    Study(target, set_ or [], _run_dir(config, run_dir), log).run()
+
+
+@app.command()
 def export(
     out: Annotated[Path, typer.Option(metavar="DIR", help="The directory to write (replaced if it exists).")],
     target: TargetOption = DEFAULT_TARGET,

@@ -1,7 +1,7 @@
 """Typed configuration: one schema with sections, loaded and validated in one place.
 
 A config is a YAML file (``configs/<target>.yaml`` or any path) with the sections
-``target``, ``regen``, ``drafter``, ``train``, ``decode`` and ``bench``.  Every key is checked against
+``target``, ``regen``, ``drafter``, ``train``, ``decode``, ``bench`` and ``ablations``.  Every key is checked against
 the dataclasses below: an unknown key, a wrong type or an impossible value is a
 one-sentence :class:`DliteError` naming the file and the key.  ``--set
 section.key=value`` overrides are applied to the raw YAML before validation, so
@@ -209,6 +209,24 @@ class BenchConfig:
 
 
 @dataclass
+class AblationConfig:
+    """``dlite ablate``: the paper's Table 5 and Figure 5 around the config's drafter, one thing varied at a time
+    (ablations.py).  The defaults are the paper's axes for Qwen3-8B."""
+
+    # Every variant's W = 0 drafter trains this many epochs (two-stage: its warmup and stable together; the
+    # teacher and the window variants' teacher stage as many)
+    epochs: int = _checked(2, check=lambda v: v >= 2, says="be >= 2 (two-stage splits them between warmup and stable)")
+    eval_every: int = positive(50)  # optimizer steps between held-out τ evaluations: Figure 5's points
+    target_layers: list[int] = _checked([7, 14, 20, 36], check=lambda v: all(c >= 2 for c in v), says="be counts >= 2")
+    head_ranks: list[int] = _checked([256, 512, 4096, 0], check=lambda v: all(r >= 0 for r in v), says="be ranks >= 0 (0: no sequential head)")
+    windows: list[int] = _checked([0, 128, 512, -1], check=lambda v: all(w >= -1 for w in v), says="be -1 (full) or >= 0")
+    # Table 5's bench: these workloads, this many episodes and new tokens a turn, every variant proposing K tokens
+    workloads: list[str] = _checked(["alpaca", "gsm8k", "mbpp", "multi_document_qa"], check=lambda v: len(v) > 0, says="name at least one workload")
+    limit: int = positive(8)
+    max_new_tokens: int = positive(64)
+
+
+@dataclass
 class Config:
     target: TargetConfig
     regen: RegenConfig
@@ -216,6 +234,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    ablations: AblationConfig = field(default_factory=AblationConfig)
     name: str = ""  # defaults to the file's stem; names the run directory
     description: str = ""
 
