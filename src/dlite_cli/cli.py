@@ -390,9 +390,10 @@ def run_command(
         shown = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.1f} min"
         table.add_row(row["stage"], shown, f"{100 * row['share']:.0f} %", _human_bytes(row["size"]) if row["size"] else "")
     console.print(table)
-    summary = directory / "bench" / "summary.md"
-    if summary.is_file():
-        log(f"tables, plots and summary: {summary}")
+    for stage in chosen.stages:
+        summary = directory / stage.name / "summary.md"
+        if summary.is_file():
+            log(f"tables, plots and summary: {summary}")
 
 
 @app.command()
