@@ -12,7 +12,7 @@ PIPELINE ?= smollm2-135m
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.dlite-installed
 
-.PHONY: reproduce test install gpu-check
+.PHONY: reproduce ablations test install gpu-check
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml
 # Every stage resumes: run it again after an interruption and it continues where it stopped.
 reproduce: $(STAMP)
 	$(BIN)/dlite run $(PIPELINE)
+
+# The paper's ablations on the embedded default (Table 5, Figure 5): not part of reproduce; it reuses its regen.
+ablations: $(STAMP)
+	$(BIN)/dlite run smollm2-135m-ablations
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
