@@ -185,7 +185,7 @@ def table5(config: Config, found: list[Variant], study_dir: Path, results: list[
             summary = Stage(study_dir / variant.name, variant.stages[-1]).manifest()["summary"]
             row = {"target": config.target.model, "factor": factor, "value": values[factor] if variant is base else variant.value,
                    "variant": variant.name, "held-out τ": _cell(summary["eval_tau"], 3),
-                   **{f"τ {t}": _cell(tau) for t, tau in zip(titles, taus)}, "τ mean": _cell(_mean(taus)),
+                   **{f"τ {t}": _cell(c and c["tau"], source=c["source"] if c else "") for t, c in zip(titles, cells)}, "τ mean": _cell(_mean(taus)),
                    "draft ms/round": _cell(_mean([c and c["draft_ms_per_round"] for c in cells]), 1),
                    "speedup": _cell(_mean([c and c["speedup"] for c in cells])), "hardware": machine}
             table.rows.append(row)
