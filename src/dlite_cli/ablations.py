@@ -51,8 +51,9 @@ class Variant:
     stages: tuple[str, ...]  # training stages in order; the last one's export is the variant's drafter
     overrides: list[str]  # --set items over the target config
 
-    def drafter(self, study_dir: Path) -> Path:
-        return study_dir / self.name / self.stages[-1] / "drafter"
+    def method(self, study_dir: Path) -> str:
+        """The bench's method for this variant: its drafter, proposing all K tokens every round."""
+        return f"{study_dir / self.name / self.stages[-1] / 'drafter'}:fixed"
 
 
 def base_values(config: Config) -> dict[str, str]:
@@ -75,9 +76,10 @@ def variants(config: Config) -> list[Variant]:
     other = "feature" if base["composition"] == "sequence" else "sequence"
     found.append(Variant(f"composition-{other}", "composition", other, ("stable",), single + [f"drafter.composition={other}"]))
     for rank in study.head_ranks:
-        if (str(rank) if rank else "none") != base["sequential head rank"]:
+        value = str(rank) if rank else "none"
+        if value != base["sequential head rank"]:
             change = [f"drafter.head_rank={rank}", "drafter.sequential_head=true"] if rank else ["drafter.sequential_head=false"]
-            found.append(Variant(f"rank-{rank}" if rank else "no-head", "sequential head rank", str(rank) if rank else "none", ("stable",), single + change))
+            found.append(Variant(f"rank-{rank}" if rank else "no-head", "sequential head rank", value, ("stable",), single + change))
     found.append(Variant("two-stage", "training", "two-stage", ("train-teacher", "warmup", "stable"),
                          every + ["train.stable_init=warmup", f"train.teacher_epochs={epochs}", f"train.warmup_epochs={warmup}",
                                   f"train.stable_epochs={epochs - warmup}", f"train.teacher_window={FULL_HISTORY}"]))
@@ -138,7 +140,7 @@ class Study:
     def bench(self) -> list[dict]:
         """Plain decoding and every Table 5 variant proposing all K tokens, side by side → the measurements."""
         study = self.config.ablations
-        methods = ["ar"] + [f"{v.drafter(self.dir)}:fixed" for v in self.variants if v.factor in ("base", *TABLE5_FACTORS)]
+        methods = ["ar"] + [v.method(self.dir) for v in self.variants if v.factor in ("base", *TABLE5_FACTORS)]
         plan = BenchPlan("table5", study.workloads, methods, study.limit, study.max_new_tokens, 0.0, [], {})
         return Bench(self.config, self.dir, plan, self.log).run()
 
@@ -179,13 +181,12 @@ def table5(config: Config, found: list[Variant], study_dir: Path, results: list[
     base, values = found[0], base_values(config)
     for factor in TABLE5_FACTORS:
         for variant in [base] + [v for v in found if v.factor == factor]:
-            method = f"{variant.drafter(study_dir)}:fixed"
-            cells = [stats.get((w, method)) for w in study.workloads]
+            cells = [stats.get((w, variant.method(study_dir))) for w in study.workloads]
             taus = [c and c["tau"] for c in cells]
             summary = Stage(study_dir / variant.name, variant.stages[-1]).manifest()["summary"]
             row = {"target": config.target.model, "factor": factor, "value": values[factor] if variant is base else variant.value,
                    "variant": variant.name, "held-out τ": _cell(summary["eval_tau"], 3),
-                   **{f"τ {t}": _cell(c and c["tau"], source=c["source"] if c else "") for t, c in zip(titles, cells)}, "τ mean": _cell(_mean(taus)),
+                   **{f"τ {t}": _cell(tau, source=c["source"] if c else "") for t, c, tau in zip(titles, cells, taus)}, "τ mean": _cell(_mean(taus)),
                    "draft ms/round": _cell(_mean([c and c["draft_ms_per_round"] for c in cells]), 1),
                    "speedup": _cell(_mean([c and c["speedup"] for c in cells])), "hardware": machine}
             table.rows.append(row)
