@@ -167,6 +167,18 @@ def test_a_speedups_interval_pairs_each_episode_with_plain_decodings_on_it():
     assert speedup_interval(plain, {"a": (0.5, 10)}) is None  # one shared episode: no interval
 
 
+def test_a_method_run_in_vllm_is_timed_against_vllms_plain_decoding():
+    from dlite_cli.report import aggregate
+
+    def record(method: str, seconds: float) -> dict:
+        turn = {"draft_s": 0.0, "verify_s": 0.0, "overhead_s": seconds, "generated_tokens": 10, "rounds": 10, "committed": 10,
+                "prefill_s": 0.0, "draft_kv_bytes": 0, "proposed": [0], "accepted": [0]}
+        return {"workload": "w", "method": method, "episode": "e", "source": "s", "drafter": method, "turns": [turn]}
+
+    stats = aggregate([record("ar", 4.0), record("dlite", 2.0), record("vllm:ar", 1.0), record("vllm:dlite", 0.5)])
+    assert stats["w", "dlite"]["speedup"] == 2.0 and stats["w", "vllm:dlite"]["speedup"] == 2.0
+
+
 def test_log_axes_are_labelled_with_plain_numbers_only():
     import matplotlib
 

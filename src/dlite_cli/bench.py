@@ -49,6 +49,7 @@ from .runner import TargetRunner, decode_path, pass_width
 from .targets import Work, load_target, load_target_config, prepare_target
 from .workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 
+VLLM_PREFIX = "vllm:"  # a method run in vLLM (vllm_engine), e.g. vllm:ar, vllm:ngram, vllm:dlite
 METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain autoregressive decoding
 # Plain decoding at its fastest here (one token a pass, eager on a CPU, CUDA graphs on a GPU), measured beside
 # "ar" when the methods share passes K + 1 wide (a lower precision: see runner.pass_width): speedups are
@@ -178,7 +179,7 @@ class Bench:
     def _load_methods(self, model, width: int) -> dict[str, str]:
         """An engine per method of the plan (and ar:fastest beside padded plain decoding) → the methods that could
         not be loaded, with the reason."""
-        self.engines, self.drafters, self.fingerprints, self.origins = {}, {}, {}, {}
+        self.engines, self.drafters, self.fingerprints, self.origins, self.engine_keys = {}, {}, {}, {}, {}
         unavailable, proposers = {}, {}
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
@@ -190,6 +191,9 @@ class Bench:
             name = METHOD_NAMES.get(method, method)
             base = split_fixed(name)[0]
             try:
+                if method.startswith(VLLM_PREFIX):
+                    self._load_vllm(method, model)
+                    continue
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log)
                 if base in ("none", "ngram"):
                     self.drafters[method] = self.fingerprints[method] = name
@@ -218,6 +222,21 @@ class Bench:
             self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
         return unavailable
 
+    def _load_vllm(self, method: str, model) -> None:
+        """A vLLM engine for ``vllm:NAME`` (vllm_engine), keyed also by vLLM's version and settings."""
+        from .vllm_engine.engine import VllmEngine, resolve
+
+        directory, spec = resolve(method.removeprefix(VLLM_PREFIX), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config)
+        try:
+            engine = VllmEngine(prepare_target(self.config.target, self.log).path, spec, self.config.vllm, str(model.dtype).removeprefix("torch."), self.log)
+        except (RuntimeError, ValueError) as e:  # vLLM's own, from its engine process: the cause is in the log above
+            raise DliteError(f"vLLM could not start {method}: {str(e).splitlines()[0]}") from None
+        self.engines[method] = engine
+        self.drafters[method] = str(directory) if directory else method.removeprefix(VLLM_PREFIX)
+        self.fingerprints[method] = fingerprint_dir(directory) if directory else self.drafters[method]
+        self.origins[method] = drafter_origin(directory) if directory else "no checkpoint"
+        self.engine_keys[method] = {"engine": engine.version, "vllm": dataclasses.asdict(self.config.vllm)}
+
     def _report(self, results: list[dict], throughput: list[dict], unavailable: dict) -> None:
         """The plan's tables and plots in its folder, and copied to the top of the bench folder (the latest plan)."""
         written = write_report(self.plan_dir, results, throughput, unavailable, self.config.target.model, self.hardware)
@@ -244,7 +263,8 @@ class Bench:
             for index, episode in enumerate(items):
                 for method in list(self.engines)[:: 1 if index % 2 == 0 else -1]:
                     key = self._key(method=method, drafter=self.fingerprints[method], workload=name, episode=episode.id,
-                                    text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
+                                    text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature,
+                                    **self.engine_keys.get(method, {}))
                     work.append((name, episode, source, method, key))
         missing = [item for item in work if item[-1] not in stored]
         self.stage.update(progress={"done": len(work) - len(missing), "total": len(work), "unit": "episode runs"})
@@ -266,7 +286,7 @@ class Bench:
         for index, turn in enumerate(episode.turns):
             messages = messages + turn
             ids = chat_prompt_ids(self.tokenizer, messages, self.config.target.thinking)
-            room = engine.runner.capacity - len(ids) - engine.drafter.draft_tokens - 2
+            room = engine.room(len(ids))
             if room < 1:
                 turns.append({"turn": index, "context_tokens": len(ids), "skipped": "context longer than the target's"})
                 break
@@ -309,7 +329,7 @@ class Bench:
         for level in self.plan.concurrency:
             batch = [prompts[i % len(prompts)] for i in range(2 * level)]  # every slot serves two requests
             for method, engine in self.engines.items():
-                if method == FASTEST_AR:
+                if method == FASTEST_AR or method.startswith(VLLM_PREFIX):  # Table 4 measures dlite's engine only
                     continue
                 key = self._key(method=method, drafter=self.fingerprints[method], workload=source, concurrency=level,
                                 texts=[episode_key(e) for e in items], max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
@@ -349,12 +369,16 @@ class Bench:
 
 
 def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: str | None, limit: int | None, max_new_tokens: int | None,
-              temperature: float, concurrency: str | None, data: list[str]) -> BenchPlan:
+              temperature: float, concurrency: str | None, data: list[str], engine: str = "dlite") -> BenchPlan:
     """The command line's choices, the config's ``bench`` section where it makes none → a BenchPlan
-    (one-sentence errors for bad values)."""
+    (one-sentence errors for bad values).  ``engine`` vllm runs every method in vLLM."""
     names = defaults.methods if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     if not names:
         raise DliteError("--methods is empty: expected e.g. ar,dlite,history,parallel,ngram")
+    if engine not in ("dlite", "vllm"):
+        raise DliteError(f"--engine must be dlite or vllm, got {engine!r}")
+    if engine == "vllm":
+        names = [n if n.startswith(VLLM_PREFIX) else VLLM_PREFIX + n for n in names]
     levels = defaults.concurrency
     if concurrency is not None:
         try:

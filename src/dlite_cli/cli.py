@@ -206,11 +206,19 @@ def serve(
     max_context: Annotated[Optional[int], typer.Option(metavar="N", min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
     max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Completion tokens of a chat request that names no max_tokens "
                                             "(at most the room its prompt leaves): what its slot reserves KV cache for.")] = DEFAULT_MAX_TOKENS,
+    engine: Annotated[str, typer.Option(metavar="ENGINE", help="dlite (its own server) or vllm: vLLM's OpenAI server drafting with the same "
+                                        "drafter (the vllm extra; --max-queue and --max-tokens are dlite's only).")] = "dlite",
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
     from .serve import serve as run_server
 
     config = _load(target, set_)
+    if engine not in ("dlite", "vllm"):
+        raise DliteError(f"--engine must be dlite or vllm, got {engine!r}")
+    if engine == "vllm":
+        from .vllm_engine.engine import serve_vllm
+
+        serve_vllm(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_context, log)
     run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, log)
 
 
@@ -230,6 +238,8 @@ def bench(
     concurrency: Annotated[Optional[str], typer.Option(metavar="LIST", help="Concurrency levels for Table 4, comma-separated, '' to skip (default: bench.concurrency).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(metavar="WORKLOAD=PATH", help="Where a workload's data is: a file, a directory or a hub id (repeatable).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure the whole plan again instead of reusing earlier measurements.")] = False,
+    engine: Annotated[str, typer.Option(metavar="ENGINE", help="dlite (its own engine) or vllm: every method runs in vLLM (the vllm extra), "
+                                        "as does any method named vllm:NAME (e.g. --methods ar,dlite,vllm:ar,vllm:dlite, side by side).")] = "dlite",
 ) -> None:
     """Benchmark methods side by side and write the paper's Tables 1-4, plots and summary.md.
 
@@ -239,7 +249,7 @@ def bench(
     from .bench import Bench, plan_from
 
     config = _load(target, set_)
-    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [])
+    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [], engine)
     Bench(config, _run_dir(config, run_dir), plan, log).run(force=force)
 
 

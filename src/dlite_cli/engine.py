@@ -223,6 +223,10 @@ class Engine:
                 f"{need} of KV cache, more than the engine's {self.runner.capacity}"
             )
 
+    def room(self, prompt_tokens: int) -> int:
+        """New tokens a prompt of this length leaves room for."""
+        return self.runner.capacity - prompt_tokens - self.drafter.draft_tokens - 2
+
     def add(self, request: Request) -> None:
         """Queue a request (validated first)."""
         self.validate(request)

@@ -70,8 +70,10 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
     out = {}
     for (workload, method), g in groups.items():
         per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
-        # the baseline is the fastest plain decoding measured (ar, or ar:fastest where the methods' passes are padded)
-        plain = [groups[workload, m] for m in ("ar", "ar:fastest") if (workload, m) in groups and groups[workload, m]["tokens"]]
+        # the baseline is the fastest plain decoding measured in the method's engine (ar, or ar:fastest where the methods'
+        # passes are padded; vllm:ar for a method run in vLLM)
+        engine_plain = ("vllm:ar",) if method.startswith("vllm:") else ("ar", "ar:fastest")
+        plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
         baseline = min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
         ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
         out[workload, method] = {

