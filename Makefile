@@ -8,6 +8,8 @@ VENV ?= .venv
 # torch is installed first with an exact pin: on a CPU machine this takes the CPU build (a looser
 # spec can pull a multi-GB CUDA build); GPU users may set TORCH_SPEC to their own build.
 TORCH_SPEC ?= torch==2.13.0
+# vllm: the CPU build of vLLM 0.32 the tests run DLite in; on a CUDA machine EXTRAS=dev,vllm-cuda
+EXTRAS ?= dev,vllm
 PIPELINE ?= smollm2-135m
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.dlite-installed
@@ -20,7 +22,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# vLLM pulls these from PyPI built for another torch: they break `import torch.library`, and text models never use them
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # Every stage resumes: run it again after an interruption and it continues where it stopped.

@@ -1,0 +1,268 @@
+"""DLite inside vLLM (the vllm extra): the plugin's drafts, features and sampling, and vLLM as bench's and serve's engine.
+
+One vLLM engine runs in this process (so its model runner and our proposer can be looked at); the bench and the
+server start their own.  Their drafter is a "bigram" DLite checkpoint: its head maps each token to the micro
+target's likeliest next token after it alone, so vLLM accepts many of its drafts and acceptance can be compared.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import REPO
+from dlite_cli.bench import plan_from
+from dlite_cli.config import BenchConfig, DrafterConfig, MicroConfig, TargetConfig
+from dlite_cli.drafters import load_proposer
+from dlite_cli.engine import Engine, Request, SamplingParams, stop_tokens_and_text
+from dlite_cli.errors import DliteError
+from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
+from dlite_cli.runner import TargetRunner
+from dlite_cli.targets import load_model, prepare_target
+from test_engine import chi_square_passes
+
+vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed (make test installs it)")
+
+from dlite_cli.vllm_engine import check_version, register  # noqa: E402
+from dlite_cli.vllm_engine.engine import VllmEngine, resolve  # noqa: E402
+from dlite_cli.vllm_engine.proposer import DLiteProposer  # noqa: E402
+
+K = 4
+NEW_TOKENS = 24
+BIGRAM_LOGIT = 6.6  # the head's logit for the bigram's token: q ≈ 0.6 on it at temperature 1 (512 tokens)
+# vLLM's CPU attention takes heads of 32 and more: the micro target with 2 heads of 32
+MICRO = MicroConfig(num_heads=2, num_kv_heads=1)
+CLI_OPTIONS = ("--target", "micro", "--set", "target.micro.num_heads=2", "--set", "target.micro.num_kv_heads=1",
+               "--set", "vllm.enforce_eager=true", "--set", "vllm.kv_cache_gib=0.25")
+
+
+@pytest.fixture(scope="module")
+def micro(cache_dir):
+    prepared = prepare_target(TargetConfig(model="micro", micro=MICRO), log=lambda _: None)
+    model = load_model(prepared, "float32", torch.device("cpu"))
+    return prepared.path, model
+
+
+def bigram_drafter(model, generations: list[list[int]]) -> Drafter:
+    """A DLite drafter whose sequential head drafts f(f(…f(anchor))): f(x) is the token after x in the target's greedy
+    ``generations`` (where it falls into loops), else its argmax after the one token x.  Its context slots (the
+    release's layers: 0, the middle, the final-normed last) are computed, and ignored."""
+    V = model.config.vocab_size
+    spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=V, layers="release"), 0)
+    drafter = Drafter(spec)
+    with torch.no_grad():
+        following = model(input_ids=torch.arange(V)[:, None]).logits[:, -1].argmax(-1)  # f: (V,)
+        for ids in generations:
+            following[torch.tensor(ids[:-1])] = torch.tensor(ids[1:])
+        head, eye = drafter.head, torch.eye(V)
+        head.token_embedding.weight.copy_(20 * eye)  # E_R(x) = 20·onehot(x)
+        head.gate.weight.zero_()
+        head.gate.weight[V:, V:] = eye  # c = E_R(x)
+        head.gate.bias.zero_()
+        head.gate.bias[:V] = -20  # g ≈ 0: s = tanh(c) ≈ onehot(x)
+        head.latent.weight.zero_()
+        head.latent.weight[:, :V] = eye  # u = s, h ignored
+        head.latent.bias.zero_()
+        head.vocab.weight.zero_()
+        head.vocab.weight[following, torch.arange(V)] = BIGRAM_LOGIT  # logits = BIGRAM_LOGIT·onehot(f(x))
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(micro, prompts, tmp_path_factory):
+    _, model = micro
+    generations = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(2 * NEW_TOKENS):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            generations.append(ids[len(prompt) - 1 :])
+    directory = tmp_path_factory.mktemp("bigram")
+    bigram_drafter(model, generations).save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def prompts(micro):
+    _, model = micro
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 60, 300)]
+
+
+@pytest.fixture(scope="module")
+def llm(micro, drafter_dir):
+    """vLLM with the DLite drafter proposing all K (as the dlite engine these tests build), in this process (engine core
+    and worker), sampling rows drafting from q."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    try:
+        return vllm.LLM(model=micro[0], dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                        kv_cache_memory_bytes=2**28, distributed_executor_backend="uni", disable_log_stats=False,
+                        per_request_spec_decode_metrics="summary",
+                        speculative_config={"model": f"{drafter_dir}:fixed", "draft_sample_method": "probabilistic"})
+    finally:  # read at start-up; the bench and the server the other tests start run vLLM as it runs by default
+        for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):
+            os.environ.pop(name)
+
+
+def proposer_of(llm) -> DLiteProposer:
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+
+
+def generate(llm, prompts, **params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], vllm.SamplingParams(**params), use_tqdm=False)
+
+
+def dlite_engine(micro, drafter_dir):
+    path, model = micro
+    proposer = load_proposer(str(drafter_dir), None, model, capacity=1024, dtype="float32")
+    runner = TargetRunner(model, proposer.target_layers, slots=2, capacity=1024)
+    from transformers import AutoTokenizer
+
+    return Engine(runner, proposer, *stop_tokens_and_text(model, AutoTokenizer.from_pretrained(path)))
+
+
+def test_greedy_text_is_the_targets_and_acceptance_is_dlites_own(llm, micro, drafter_dir, prompts):
+    outputs = generate(llm, prompts, max_tokens=NEW_TOKENS, temperature=0)
+    engine = dlite_engine(micro, drafter_dir)
+    requests = engine.run([Request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts])
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [r.output_ids for r in requests]  # dlite's engine: the target's own
+    histogram = torch.tensor([list(o.outputs[0].spec_decode_metrics.histogram) for o in outputs]).sum(0)
+    vllm_tau = 1 + float((histogram * torch.arange(len(histogram))).sum() / histogram.sum())
+    assert engine.stats.tau > 1.5  # the bigram drafter is often right
+    assert abs(vllm_tau - engine.stats.tau) < 0.1, (vllm_tau, engine.stats.tau)
+
+
+def test_the_drafter_reads_the_targets_features_at_the_pivot(llm, micro, prompts):
+    """The slots vLLM's capture gives the drafter are dlite's features (id k: layer k's output, id L: final-normed) at
+    the position before the anchor, and the anchor is the last token committed."""
+    proposer, committed, seen = proposer_of(llm), [], []
+    propose, draft = proposer.propose, proposer.drafter.draft
+    proposer.propose = lambda runner, *rest: committed.append(int(runner.input_batch.num_tokens_no_spec[0])) or propose(runner, *rest)
+    proposer.drafter.draft = lambda context, group, *rest: seen.append((context.clone(), group.clone())) or draft(context, group, *rest)
+    try:
+        (output,) = generate(llm, prompts[1:2], max_tokens=8, temperature=0, ignore_eos=True)
+    finally:
+        del proposer.propose, proposer.drafter.draft
+    tokens = prompts[1] + list(output.outputs[0].token_ids)
+    runner = TargetRunner(micro[1], proposer.drafter.spec.target_layer_ids, slots=1, capacity=1024)
+    _, features, _ = runner.prefill(0, tokens, all_features=True)  # (T, S, H)
+    assert len(seen) == len(committed) >= 2
+    for length, (context, group) in zip(committed, seen):
+        assert int(group[0, -1]) == tokens[length - 1]
+        assert torch.allclose(context[0], features[length - 2], atol=1e-4), length
+
+
+def marginals(model, prompt: list[int], temperature: float, positions: int, floor: float = 1e-6) -> list[torch.Tensor]:
+    """p(x_j) for j = 1..positions under the target's sampling at ``temperature`` (no top-k: vLLM 0.32's CPU sampler fails
+    on top-k while speculating), by enumerating every continuation whose probability is at least ``floor``."""
+    marginals, frontier = [], [(list(prompt), 1.0)]
+    for _ in range(positions):
+        logits = model(input_ids=torch.tensor([ids for ids, _ in frontier])).logits[:, -1]
+        p = torch.softmax(logits / temperature, dim=-1)
+        weights = torch.tensor([w for _, w in frontier])
+        marginals.append((weights[:, None] * p).sum(0))
+        grown = weights[:, None] * p
+        frontier = [(frontier[r][0] + [t], float(grown[r, t])) for r, t in (grown >= floor).nonzero().tolist()]
+    return marginals
+
+
+def test_sampling_through_vllms_rejection_sampler_is_the_targets(llm, micro, prompts):
+    _, model = micro
+    prompt, temperature = prompts[0], 0.1
+    with torch.no_grad():
+        expected = marginals(model, prompt, temperature, 3)
+    outputs = generate(llm, [prompt] * 600, max_tokens=3, temperature=temperature, ignore_eos=True)
+    samples = [[list(o.outputs[0].token_ids)[j] for o in outputs] for j in range(3)]
+    histogram = torch.tensor([list(o.outputs[0].spec_decode_metrics.histogram) for o in outputs]).sum(0)
+    assert histogram[0] > 0 and histogram[1:].sum() > 0  # drafts both rejected and accepted
+    assert all(chi_square_passes(s, e) for s, e in zip(samples, expected))
+    # the test can fail: claim q is uniform while drafting from the bigram's q
+    proposer = proposer_of(llm)
+    propose = proposer.propose
+    proposer.propose = lambda *args: (lambda drafts, q: (drafts, None if q is None else torch.full_like(q, 1 / q.shape[-1])))(*propose(*args))
+    try:
+        broken = generate(llm, [prompt] * 600, max_tokens=3, temperature=temperature, ignore_eos=True)
+    finally:
+        del proposer.propose
+    broken_samples = [[list(o.outputs[0].token_ids)[j] for o in broken] for j in range(3)]
+    assert not all(chi_square_passes(s, e) for s, e in zip(broken_samples, expected))
+
+
+def test_refusals(llm, micro, drafter_dir, tmp_path):
+    _, model = micro
+    with pytest.raises(DliteError, match="supports vLLM 0.32.x and this is vLLM 0.31.2"):
+        check_version("0.31.2")
+    teacher = Drafter(DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), FULL_HISTORY))
+    teacher.save(tmp_path / "teacher")
+    with pytest.raises(DliteError, match="keeps a draft history"):
+        resolve(str(tmp_path / "teacher"), tmp_path, K, model.config)
+    assert resolve(f"{drafter_dir}+ngram:fixed", tmp_path, K, model.config) == (drafter_dir, {"model": f"{drafter_dir}+ngram:fixed"})
+    # a drafter of another target (a wider vocabulary), named to vLLM itself
+    other = json.loads((drafter_dir / "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**other, "vocab_size": 1024}))
+    register()
+    target = vllm.config.ModelConfig(model=micro[0], dtype="float32")
+    with pytest.raises(DliteError, match="does not fit the target: its vocab_size is 1024, the target's is 512"):
+        vllm.config.SpeculativeConfig(model=str(tmp_path / "other"), target_model_config=target,
+                                      target_parallel_config=vllm.config.ParallelConfig())
+
+
+def test_bench_runs_dlite_in_vllm_beside_dlites_engine(run_cli, drafter_dir, tmp_path):
+    """Adaptive DLite in vLLM beside dlite's plain decoding, on a two-turn chat: the second turn's context holds the first
+    reply, as each engine wrote it.  (vLLM's engine core in the bench's process: one vLLM engine a process can hold.)"""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"question_id": 1, "turns": ["Tell me about lists.", "And dictionaries?"]}) + "\n")
+    dlite = f"vllm:{drafter_dir}"
+    run_cli("bench", *CLI_OPTIONS, "--run-dir", "run", "--workload", "mt_bench", "--data", f"mt_bench={chats}", "--max-new-tokens", "24",
+            "--concurrency", "", "--methods", f"ar,{dlite}", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    records = {r["method"]: r for r in map(json.loads, (tmp_path / "run" / "bench" / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"ar", dlite}
+    sha = {m: [t["output_sha"] for t in r["turns"]] for m, r in records.items()}
+    assert len(sha["ar"]) == 2 and sha[dlite] == sha["ar"]  # greedy: the target's text, in either engine
+    assert sum(sum(t["proposed"]) for t in records[dlite]["turns"]) > 0  # drafted (adaptively: these chats are not its bigrams)
+    assert f"| {dlite} |" in (tmp_path / "run" / "bench" / "table1_general_tau.md").read_text()
+    with pytest.raises(DliteError, match="--engine must be dlite or vllm, got 'sglang'"):
+        plan_from(BenchConfig(), "all", None, None, None, None, 0.0, None, [], "sglang")
+    assert plan_from(BenchConfig(), "all", None, "ar,dlite:fixed", None, None, 0.0, None, [], "vllm").methods == ["vllm:ar", "vllm:dlite:fixed"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup(cache_dir, drafter_dir, micro, prompts, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "serve", "--engine", "vllm", *CLI_OPTIONS, "--drafter", f"{drafter_dir}+ngram",
+                                "--port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "DLITE_CACHE": str(cache_dir)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+        body = {"model": "micro", "prompt": prompts[1], "max_tokens": NEW_TOKENS, "temperature": 0}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        process.terminate()
+        process.wait(60)
+    engine = dlite_engine(micro, drafter_dir)
+    (request,) = engine.run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
+    assert served["choices"][0]["text"] == engine.text_of(request)
+    accepted = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    assert accepted > 0
