@@ -16,7 +16,6 @@ import httpx
 import pytest
 import torch
 
-from conftest import REPO
 from dlite_cli.bench import plan_from
 from dlite_cli.config import BenchConfig, DrafterConfig, MicroConfig, TargetConfig
 from dlite_cli.drafters import load_proposer
@@ -30,7 +29,7 @@ from test_engine import chi_square_passes
 vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed (make test installs it)")
 
 from dlite_cli.vllm_engine import check_version, register  # noqa: E402
-from dlite_cli.vllm_engine.engine import VllmEngine, resolve  # noqa: E402
+from dlite_cli.vllm_engine.engine import resolve  # noqa: E402
 from dlite_cli.vllm_engine.proposer import DLiteProposer  # noqa: E402
 
 K = 4

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..adaptive import VerifyCosts
-from ..drafters import FIXED_SUFFIX, HYBRID_SUFFIX, DLiteAdapter, HybridDrafter, NgramDrafter, split_fixed
+from ..drafters import HYBRID_SUFFIX, DLiteAdapter, HybridDrafter, NgramDrafter, split_fixed
 from ..engine import Request, SamplingParams, SamplingPick, probabilities
 from ..errors import DliteError
 from ..model import Drafter, greedy_pick
