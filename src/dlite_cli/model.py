@@ -481,24 +481,33 @@ class Drafter(nn.Module):
         """A dlite checkpoint, or one in the public release's format (release.py), checked against ``target_config``."""
         from safetensors.torch import load_file
 
-        from .release import is_release, load_release, spec_from_release
+        from .release import load_release
 
-        config_path = Path(directory) / "config.json"
-        if not config_path.is_file():
-            raise DliteError(f"{directory} is not a drafter checkpoint: it has no config.json")
-        raw = json.loads(config_path.read_text())
-        if is_release(raw):
-            spec = spec_from_release(raw, str(directory))
-            if target_config is not None:
-                spec.check_fits(target_config, str(directory))
+        spec, release = load_spec(directory, target_config)
+        if release:
             return load_release(directory, spec)
+        model = cls(spec)
+        model.load_state_dict(load_file(Path(directory) / "model.safetensors"))
+        return model
+
+
+def load_spec(directory: Path, target_config=None) -> tuple[DrafterSpec, bool]:
+    """The spec of a dlite checkpoint or of one in the public release's format (no weights read), checked against
+    ``target_config``, and whether it is the release's."""
+    from .release import is_release, spec_from_release
+
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        raise DliteError(f"{directory} is not a drafter checkpoint: it has no config.json")
+    raw = json.loads(config_path.read_text())
+    if is_release(raw):
+        spec = spec_from_release(raw, str(directory))
+    else:
         names = {f.name for f in fields(DrafterSpec)}
         missing = {f.name for f in fields(DrafterSpec) if f.default is MISSING} - set(raw)
         if missing:
             raise DliteError(f"{config_path} is not a dlite drafter config: it lacks {', '.join(sorted(missing))}")
         spec = DrafterSpec(**{k: raw[k] for k in names if k in raw})
-        if target_config is not None:
-            spec.check_fits(target_config, str(directory))
-        model = cls(spec)
-        model.load_state_dict(load_file(Path(directory) / "model.safetensors"))
-        return model
+    if target_config is not None:
+        spec.check_fits(target_config, str(directory))
+    return spec, is_release(raw)

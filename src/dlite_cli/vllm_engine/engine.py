@@ -19,8 +19,7 @@ from pathlib import Path
 from ..drafters import FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed
 from ..engine import Request, Stats
 from ..errors import DliteError
-from ..model import Drafter
-from . import SUPPORTED_VLLM, check_version, is_dlite_drafter
+from . import SUPPORTED_VLLM, check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -36,8 +35,7 @@ def resolve(name: str, run_dir: Path, draft_tokens: int, target_config) -> tuple
     base, adaptive = split_fixed(name)
     directory = resolve_drafter_path(base.removesuffix(HYBRID_SUFFIX), run_dir)
     if is_dlite_drafter(str(directory)):
-        if Drafter.load(directory, target_config).spec.history_window != 0:
-            raise DliteError(f"{name}: {directory} keeps a draft history (W ≠ 0), and vLLM runs history-free DLite drafters only")
+        checked_spec(str(directory), target_config)
         suffixes = (HYBRID_SUFFIX if base.endswith(HYBRID_SUFFIX) else "") + ("" if adaptive else FIXED_SUFFIX)
         return directory, {"model": f"{directory}{suffixes}"}  # K: the drafter's own
     if base != name or base.endswith(HYBRID_SUFFIX):

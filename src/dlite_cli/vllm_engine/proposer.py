@@ -30,7 +30,6 @@ import torch
 from ..adaptive import VerifyCosts
 from ..drafters import HYBRID_SUFFIX, DLiteAdapter, HybridDrafter, NgramDrafter, split_fixed
 from ..engine import Request, SamplingParams, SamplingPick, probabilities
-from ..errors import DliteError
 from ..model import Drafter, greedy_pick
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM marks greedy rows with a temperature at or below this
@@ -55,13 +54,8 @@ class DLiteProposer:
         self.name = spec_config.model
         base, self.adaptive = split_fixed(self.name)
         self.hybrid = base.endswith(HYBRID_SUFFIX)
-        directory = drafter_directory(self.name)
-        self.drafter = Drafter.load(directory, vllm_config.model_config.hf_config).eval()
+        self.drafter = Drafter.load(drafter_directory(self.name), vllm_config.model_config.hf_config).eval()  # checked_spec passed when vLLM built its config
         spec = self.drafter.spec
-        if spec.history_window != 0:
-            raise DliteError(f"{directory} keeps a draft history (W = {spec.history_window}): vLLM runs history-free DLite drafters only")
-        if spec_config.num_speculative_tokens != spec.draft_tokens:
-            raise DliteError(f"num_speculative_tokens is {spec_config.num_speculative_tokens}, and {directory} drafts {spec.draft_tokens}")
         self.probabilistic = spec_config.draft_sample_method == "probabilistic"
         self.num_layers = spec.target_num_layers
         self.aux_layers = vllm_layer_ids(spec.target_layer_ids, self.num_layers)
@@ -129,7 +123,8 @@ class DLiteProposer:
             if self.num_layers in self.drafter.spec.target_layer_ids:  # the last slot is the final-normed output
                 slots[-1] = self.final_norm(slots[-1])
             context = torch.stack(slots, dim=1)  # (B, S, H)
-        for gone in [req_id for req_id in self.rows if req_id not in set(batch.req_ids)]:
+        present = set(batch.req_ids)
+        for gone in [req_id for req_id in self.rows if req_id not in present]:
             self.adapter.end(self.rows.pop(gone))
         rows = []
         for b, i in enumerate(index):
