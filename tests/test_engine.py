@@ -15,6 +15,7 @@ from dlite_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter,
 from dlite_cli.errors import DliteError
 from dlite_cli.engine import Engine, Request, SamplingParams, probabilities
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
+from dlite_cli.linears import linear_bytes, target_linears
 from dlite_cli.runner import TargetRunner
 from dlite_cli.targets import load_target
 
@@ -392,6 +393,20 @@ def test_sampling_is_reproducible_and_batch_independent(micro, prompts):
 
 
 # ---------------------------------------------------------------- the command
+
+
+def test_a_cpu_target_runs_fused_packed_linears_that_compute_the_models_own(micro):
+    model, _ = micro
+    linears = target_linears(model)
+    assert linears.packed == (DEVICE.type == "cpu") and linears.packed_bytes == (linear_bytes(model) if linears.packed else 0)
+    assert TargetRunner(model, [], slots=1, capacity=64).linears is linears  # one set per model, whatever the runners
+    layer, x = model.model.layers[1], torch.randn(2, 3, model.config.hidden_size, device=DEVICE)
+    with torch.no_grad():
+        q, k, v = linears.layers[1].qkv(x)
+        for fused, module in zip((q, k, v), (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)):
+            torch.testing.assert_close(fused, module(x))
+        torch.testing.assert_close(linears.layers[1].mlp(x), layer.mlp(x))
+        torch.testing.assert_close(linears.lm_head(x), model.lm_head(x))
 
 
 def test_generate_command(run_cli, tmp_path, drafter_dirs):

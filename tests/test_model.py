@@ -98,13 +98,14 @@ def test_anchors_reading_one_shared_history_see_what_each_would_see_alone(target
 
 
 def test_grouped_queries_folded_onto_their_kv_head_attend_as_grouped_attention():
-    """The fold CUDA uses under a mask (a group's queries as extra rows of its K/V head, so a fused kernel runs)
-    computes what SDPA's enable_gqa does: per row's own mask, in the verify's layout and the shared-history one."""
+    """The fold CUDA and a CPU below float32 use (a group's queries as extra rows of its K/V head, so a fused kernel
+    runs) computes what SDPA's enable_gqa does: per row's own mask, in the verify's layout and the shared-history one,
+    and without a mask."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 9, 5, 16), torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
     causal = (torch.arange(40) <= torch.tensor([[30], [12]])[:, :, None] + torch.arange(5)[:, None])[:, None]  # (B, 1, Q, T)
     per_row = torch.rand(2, 1, 1, 40) > 0.3  # (B, 1, 1, T): one row of visible keys for all of a row's queries
-    for mask in (causal, per_row):
+    for mask in (causal, per_row, None):
         torch.testing.assert_close(grouped_attention(q, k, v, mask, fold=True), grouped_attention(q, k, v, mask, fold=False))
 
 

@@ -27,6 +27,7 @@ import torch
 from .artifacts import Stage, atomic_path
 from .config import Config, config_hash
 from .errors import DliteError
+from .linears import pack_modules
 from .losses import dropped_mass
 from .progress import progress_bar
 from .regen import iter_records
@@ -131,6 +132,7 @@ class FeatureCache:
         shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]
         done = sum(len(s) for i, s in enumerate(shards) if self._shard_path(i).exists())
         capture = LayerCapture(target_model, layer_ids)
+        pack_modules(target_model)
         try:
             with progress_bar("target features", total=len(records), completed=done) as bar:
                 for index, shard in enumerate(shards):

@@ -166,6 +166,15 @@ def planned_dtype(setting: str, device_type: str) -> torch.dtype:
     return getattr(torch, setting)
 
 
+def packed_bytes(target, device_type: str) -> int:
+    """Bytes of the oneDNN-packed copies of the target's linears that decoding (and the feature pass) hold on a CPU
+    (linears.py); 0 where they are not packed."""
+    from .linears import linear_bytes, packs
+
+    dtype = next(target.parameters()).dtype
+    return linear_bytes(target) if packs(torch.device(device_type), dtype) else 0
+
+
 def device_memory(device: torch.device) -> int:
     """Bytes free for this process: the GPU's free memory, or the CPU's available memory."""
     if device.type == "cuda":
@@ -220,6 +229,9 @@ def _traced_training_plan(config: Config, train, arch, stage: str, device_type: 
     parts["target weights"] = counter.live
     counter.add([*drafter.parameters(), *drafter.buffers(), *(teacher.parameters() if teacher else [])])
     parts["drafter weights"] = counter.live - parts["target weights"]
+    packed = packed_bytes(target, device_type) if train.features == "cached" else 0  # the feature pass packs the target's linears
+    if packed:
+        parts["packed target weights (oneDNN)"] = packed
     if train.features == "online":
         records = [{"input_ids": [0] * train.max_length, "prompt_len": train.max_length // 4}] * train.micro_batch
         capture = LayerCapture(target, base_spec.target_layer_ids)
@@ -253,7 +265,7 @@ def _traced_training_plan(config: Config, train, arch, stage: str, device_type: 
     if processes > 1:  # DDP's gradient buckets, held for the whole run: a copy of the gradients
         parts["gradient buckets (DDP)"] = sum(p.numel() * p.element_size() for p in drafter.parameters() if p.requires_grad)
     setting = f"micro-batch {train.micro_batch} × {train.max_length} tokens, {train.anchors_per_sample} anchors each, autocast {autocast}"
-    return MemoryPlan(stage, setting, parts, peak + parts.get("gradient buckets (DDP)", 0))
+    return MemoryPlan(stage, setting, parts, peak + parts.get("gradient buckets (DDP)", 0) + packed)
 
 
 def fitting_micro_batch(config: Config, arch, stage: str, device_type: str, capacity: int, autocast: str | None, processes: int = 1) -> int | None:
@@ -304,6 +316,8 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
         per_token += kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, draft_dtype)
     parts = {"target weights": module_bytes(target).live, "drafter weights": drafter_bytes,
              "KV caches" + (" (target + draft)" if history_drafter else ""): (slots * tokens + single_row_tokens) * per_token}
+    if packed_bytes(target, device_type):
+        parts["packed target weights (oneDNN)"] = packed_bytes(target, device_type)
     width = max(config.drafter.draft_tokens + 1, pass_width(config.drafter.draft_tokens, dtype))
     parts["widest pass's logits"] = slots * width * arch.vocab_size * (dtype.itemsize + 4)  # and as float32 for sampling
     if config.decode.path == "graphs" or (config.decode.path == "auto" and device_type == "cuda"):

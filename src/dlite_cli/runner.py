@@ -9,7 +9,7 @@ weights with a KV cache in which every row (slot) has its own length.
 and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then records which of them the
 slot keeps (the accepted ones: entries beyond a slot's length are masked now and overwritten later).
 Rows of different lengths share one batched pass, which is what lets each row accept its own number
-of tokens.  Two ways to run a pass (``decode.path``):
+of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused and oneDNN-packed).  Two ways to run a pass (``decode.path``):
 
     eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
     static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), ``width``
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from .devices import median_ms
 from .errors import DliteError
 from .graphs import CudaGraphs, bucket_for
+from .linears import target_linears
 from .model import SUPPORTED_FAMILIES, apply_rope, grouped_attention
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
@@ -70,6 +71,7 @@ class TargetRunner:
         self.model, self.capture_layers, self.path, self.width = model, sorted(capture_layers), path, width
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
+        self.linears = target_linears(model)
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.kv_heads = config.num_key_value_heads
@@ -215,7 +217,7 @@ class TargetRunner:
         captured = []
         for index, layer in enumerate(self.layers):
             h = h + self._attention(index, layer.self_attn, layer.input_layernorm(h), (cos, sin), rows, positions, span, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.linears.layers[index].mlp(layer.post_attention_layernorm(h))
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
         B, Q = tokens.shape
@@ -228,7 +230,7 @@ class TargetRunner:
             features = torch.stack(captured, dim=2)
         else:
             features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
-        return self.model.lm_head(h[:, -1:] if logits_at_last else h), features
+        return self.linears.lm_head(h[:, -1:] if logits_at_last else h), features
 
     def _check(self, span: int) -> None:
         if span > self.capacity:
@@ -253,9 +255,8 @@ class TargetRunner:
 
     def _attention(self, index, attention, x, rope_cos_sin, rows, positions, span, mask):
         B, Q, _ = x.shape
-        q = attention.q_proj(x).view(B, Q, -1, self.head_dim)
-        k = attention.k_proj(x).view(B, Q, -1, self.head_dim)
-        v = attention.v_proj(x).view(B, Q, -1, self.head_dim)
+        linears = self.linears.layers[index]
+        q, k, v = (t.reshape(B, Q, -1, self.head_dim) for t in linears.qkv(x))
         if hasattr(attention, "q_norm"):  # qwen3
             q, k = attention.q_norm(q), attention.k_norm(k)
         q = apply_rope(q.transpose(1, 2), *rope_cos_sin)
@@ -265,4 +266,4 @@ class TargetRunner:
         keys[row_index[:, None], :, positions] = k.transpose(1, 2)  # (B, Q, kv_heads, d) at each row's positions
         values[row_index[:, None], :, positions] = v
         out = grouped_attention(q, keys[rows, :, :span], values[rows, :, :span], mask, attention.scaling)
-        return attention.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+        return linears.o(out.transpose(1, 2).reshape(B, Q, -1))[0]
