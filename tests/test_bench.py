@@ -54,10 +54,10 @@ def test_every_table_in_every_format_and_the_plots(bench_dir):
 def test_tables_have_the_papers_columns_and_rows_beside_ours(bench_dir):
     with open(bench_dir / "table1_general_tau.csv") as f:
         header = next(csv.reader(f))
-    assert header == ["target", "method", "drafter", "origin", "hardware", "GSM8K", "MATH-500", "HumanEval", "MBPP", "LiveCodeBench", "MT-Bench", "Alpaca",
+    assert header == ["target", "method", "engine", "drafter", "origin", "hardware", "GSM8K", "MATH-500", "HumanEval", "MBPP", "LiveCodeBench", "MT-Bench", "Alpaca",
                       "ShareGPT (held-out)"]  # the paper's workloads, then the suite's others
     table2 = json.loads((bench_dir / "table2_longbench_v2.json").read_text())
-    assert table2["columns"][5:] == [f"{w} {m}" for w in ("Multi-Doc QA", "Long ICL", "Code Repo", "Long Dialogue") for m in ("speedup", "tau")]
+    assert table2["columns"][6:] == [f"{w} {m}" for w in ("Multi-Doc QA", "Long ICL", "Code Repo", "Long Dialogue") for m in ("speedup", "tau")]
     ours = {row["method"]: row for row in table2["rows"] if row["target"] == "micro"}
     assert set(ours) == {"ar", "ngram", "mydrafter"} and ours["ar"]["Code Repo speedup"] == "1.00 (synthetic)"
     table3 = json.loads((bench_dir / "table3_agentic.json").read_text())
@@ -66,6 +66,7 @@ def test_tables_have_the_papers_columns_and_rows_beside_ours(bench_dir):
     assert table3["columns"][-6:] == [f"{w} {m}" for w in ("SWE-Bench", "ToolTalk", "τ²-bench airline") for m in ("speedup", "tau")]
     assert not paper.get("ToolTalk speedup")  # the paper has no ToolTalk column
     assert paper["hardware"] == "NVIDIA H800 (SGLang)" and ours["mydrafter"]["drafter"] == "mydrafter"
+    assert (paper["engine"], ours["mydrafter"]["engine"]) == ("SGLang", "dlite")
     assert (paper["origin"], ours["mydrafter"]["origin"], ours["ngram"]["origin"]) == ("paper", "unknown", "no checkpoint")
     notes = " ".join(table3["notes"])  # a workload whose data is missing says why; a missing method too
     assert "AgentLongBench: not measured" in notes and "--data agent_long_bench=FILE" in notes
@@ -217,3 +218,17 @@ def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_pl
     assert len(by_episode) >= 3
     for texts in by_episode.values():
         assert "ar:fastest" in texts and len({tuple(v) for m, v in texts.items() if m != "ar:fastest"}) == 1
+
+
+def test_without_vllm_bench_compare_is_left_out_in_one_line(monkeypatch):
+    from dlite_cli import vllm_engine
+    from dlite_cli.bench import plan_from
+    from dlite_cli.config import BenchConfig
+
+    monkeypatch.setattr(vllm_engine, "supported_vllm", lambda: False)
+    monkeypatch.setattr(vllm_engine, "installed_version", lambda: None)
+    lines = []
+    plan = plan_from(BenchConfig(compare=["ar", "dlite"]), "all", None, "ar,ngram", None, None, 0.0, None, [], "auto", lines.append)
+    assert plan.methods == ["ar", "ngram"]
+    assert lines == [f"vLLM is not installed: decoding in dlite's own engine ({vllm_engine.INSTALL} to decode in vLLM)",
+                     f"bench.compare's methods are not measured in vLLM: it is not installed ({vllm_engine.INSTALL})"]

@@ -214,23 +214,42 @@ def test_refusals(llm, micro, drafter_dir, tmp_path):
                                       target_parallel_config=vllm.config.ParallelConfig())
 
 
-def test_bench_runs_dlite_in_vllm_beside_dlites_engine(run_cli, drafter_dir, tmp_path):
-    """Adaptive DLite in vLLM beside dlite's plain decoding, on a two-turn chat: the second turn's context holds the first
-    reply, as each engine wrote it.  (vLLM's engine core in the bench's process: one vLLM engine a process can hold.)"""
+def test_bench_in_vllm_runs_what_vllm_can_there_the_rest_in_dlites_engine_and_table4_through_its_scheduler(run_cli, micro, drafter_dir, tmp_path):
+    """--engine vllm on a two-turn chat: plain decoding and the drafter with prompt lookup run in vLLM, a history drafter
+    (which vLLM refuses) in dlite's engine beside its plain decoding, the reference; every method writes the target's
+    greedy text, each turn's context holding the first reply as its engine wrote it.  Table 4 measures vLLM's methods too."""
+    _, model = micro
+    teacher = tmp_path / "teacher"
+    Drafter(DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), FULL_HISTORY)).save(teacher)
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"question_id": 1, "turns": ["Tell me about lists.", "And dictionaries?"]}) + "\n")
-    dlite = f"vllm:{drafter_dir}"
+    hybrid = f"{drafter_dir}+ngram"
     run_cli("bench", *CLI_OPTIONS, "--run-dir", "run", "--workload", "mt_bench", "--data", f"mt_bench={chats}", "--max-new-tokens", "24",
-            "--concurrency", "", "--methods", f"ar,{dlite}", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    records = {r["method"]: r for r in map(json.loads, (tmp_path / "run" / "bench" / "results.jsonl").read_text().splitlines())}
-    assert set(records) == {"ar", dlite}
+            "--concurrency", "1,2", "--engine", "vllm", "--set", "bench.compare=[ar]", "--methods", f"ar,{hybrid},{teacher}")
+    bench = tmp_path / "run" / "bench"
+    records = {r["method"]: r for r in map(json.loads, (bench / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"vllm:ar", f"vllm:{hybrid}", str(teacher), "ar"}
     sha = {m: [t["output_sha"] for t in r["turns"]] for m, r in records.items()}
-    assert len(sha["ar"]) == 2 and sha[dlite] == sha["ar"]  # greedy: the target's text, in either engine
-    assert sum(sum(t["proposed"]) for t in records[dlite]["turns"]) > 0  # drafted (adaptively: these chats are not its bigrams)
-    assert f"| {dlite} |" in (tmp_path / "run" / "bench" / "table1_general_tau.md").read_text()
-    with pytest.raises(DliteError, match="--engine must be dlite or vllm, got 'sglang'"):
+    assert len(sha["ar"]) == 2 and all(s == sha["ar"] for s in sha.values())  # greedy: the target's text, in either engine
+    assert sum(sum(t["proposed"]) for t in records[f"vllm:{hybrid}"]["turns"]) > 0  # drafted
+    table1 = json.loads((bench / "table1_general_tau.json").read_text())
+    engines = {r["method"]: r["engine"] for r in table1["rows"] if r["target"] == "micro"}
+    assert engines == {"vllm:ar": "vLLM", f"vllm:{hybrid}": "vLLM", str(teacher): "dlite", "ar": "dlite"}
+    assert any(f"method vllm:{teacher}: not run" in note and f"measured in dlite's engine as {teacher}" in note for note in table1["notes"])
+    table4 = json.loads((bench / "table4_throughput.json").read_text())
+    speedups = {(r["method"], r["concurrency"]): r["speedup"] for r in table4["rows"] if r["target"] == "micro"}
+    assert set(speedups) == {(m, c) for m in records for c in (1, 2)}
+    assert speedups["vllm:ar", 2] == speedups["ar", 1] == "1.00"  # each against its own engine's plain decoding
+
+
+def test_a_plan_runs_its_methods_in_its_engine_and_bench_compare_in_the_other():
+    with pytest.raises(DliteError, match="--engine must be one of auto, vllm, dlite, got 'sglang'"):
         plan_from(BenchConfig(), "all", None, None, None, None, 0.0, None, [], "sglang")
-    assert plan_from(BenchConfig(), "all", None, "ar,dlite:fixed", None, None, 0.0, None, [], "vllm").methods == ["vllm:ar", "vllm:dlite:fixed"]
+    plan = plan_from(BenchConfig(compare=["dlite"]), "all", None, "ar,history,dlite:fixed", None, None, 0.0, None, [], "vllm")
+    # in vLLM but the history drafter; then the comparison in dlite's engine, beside its own plain decoding
+    assert plan.methods == ["vllm:ar", "history", "vllm:dlite:fixed", "dlite", "ar"] and plan.moved_to_vllm == ["vllm:ar", "vllm:dlite:fixed"]
+    plan = plan_from(BenchConfig(compare=["history", "dlite+ngram"]), "all", None, "dlite,vllm:ngram", None, None, 0.0, None, [], "dlite")
+    assert plan.methods == ["dlite", "vllm:ngram", "vllm:dlite+ngram", "ar", "vllm:ar"] and plan.moved_to_vllm == []
 
 
 def free_port() -> int:

@@ -41,7 +41,7 @@ from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .graphs import CAPTURES
-from .memory import MemoryPlan, bench_plan, checked, device_memory
+from .memory import MemoryPlan, bench_plan, checked, device_memory, keeps_history
 from .progress import progress_bar
 from .regen import chat_prompt_ids
 from .report import PLOTS, write_report
@@ -68,6 +68,9 @@ class BenchPlan:
     temperature: float
     concurrency: list[int]
     data: dict[str, str]
+    # methods the plan runs in vLLM because the bench's engine is vLLM (not because they were named vllm:NAME): one
+    # that vLLM cannot run is measured in dlite's engine instead
+    moved_to_vllm: list[str] = dataclasses.field(default_factory=list)
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -184,16 +187,23 @@ class Bench:
         eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
         capacity = model.config.max_position_embeddings
         self.fastest_path = fastest_path = "graphs" if model.device.type == "cuda" else "eager"
-        methods = self.plan.methods
-        if "ar" in methods and (width > 1 or self.path != fastest_path):
-            methods = methods + [FASTEST_AR]
-        for method in methods:
+        methods = list(self.plan.methods)
+        for method in methods:  # a method measured in dlite's engine instead of vLLM joins the list as it goes
+            if method == "ar" and (width > 1 or self.path != fastest_path):
+                methods.append(FASTEST_AR)
+            if method.startswith(VLLM_PREFIX):
+                try:
+                    self._load_vllm(method, model)
+                except DliteError as e:
+                    unavailable[method] = str(e)
+                    local = method.removeprefix(VLLM_PREFIX)
+                    if method in self.plan.moved_to_vllm and local not in methods:  # measured in dlite's engine instead
+                        unavailable[method] += f"; measured in dlite's engine as {local}"
+                        methods += [local] + (["ar"] if "ar" not in methods else [])
+                continue
             name = METHOD_NAMES.get(method, method)
             base = split_fixed(name)[0]
             try:
-                if method.startswith(VLLM_PREFIX):
-                    self._load_vllm(method, model)
-                    continue
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log)
                 if base in ("none", "ngram"):
                     self.drafters[method] = self.fingerprints[method] = name
@@ -329,14 +339,16 @@ class Bench:
         for level in self.plan.concurrency:
             batch = [prompts[i % len(prompts)] for i in range(2 * level)]  # every slot serves two requests
             for method, engine in self.engines.items():
-                if method == FASTEST_AR or method.startswith(VLLM_PREFIX):  # Table 4 measures dlite's engine only
+                if method == FASTEST_AR:
                     continue
                 key = self._key(method=method, drafter=self.fingerprints[method], workload=source, concurrency=level,
-                                texts=[episode_key(e) for e in items], max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature)
+                                texts=[episode_key(e) for e in items], max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature,
+                                **self.engine_keys.get(method, {}))
                 if key not in stored:
                     self._warm_up()
+                    measure = self._vllm_throughput if method.startswith(VLLM_PREFIX) else self._throughput
                     stored[key] = {"id": uuid.uuid4().hex[:12], "key": key, "concurrency": level, "method": method, "workload": source,
-                                   **self._throughput(engine, level, batch)}
+                                   **measure(engine, level, batch)}
                     append_line(self.throughput, stored[key])
                     measured += 1
                     self.log(f"concurrency {level} {method}: {stored[key]['tokens_per_s']:.1f} tok/s, tau {stored[key]['tau']:.2f}")
@@ -359,6 +371,16 @@ class Bench:
         return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": wide.stats.tau,
                 "capture_seconds": capture}
 
+    def _vllm_throughput(self, engine, level: int, batch: list[list[int]]) -> dict:
+        """``batch`` through vLLM's scheduler (vllm_engine.VllmEngine), ``level`` requests in flight at a time."""
+        requests = [Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)]
+        start = time.perf_counter()
+        engine.run(requests, concurrency=level)
+        seconds = time.perf_counter() - start
+        tokens = sum(r.stats.generated_tokens for r in requests)
+        tau = sum(r.stats.committed for r in requests) / max(sum(r.stats.rounds for r in requests), 1)
+        return {"requests": len(requests), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": tau, "capture_seconds": 0.0}
+
     # ----- helpers
 
     def _clean_torn_tail(self) -> None:
@@ -369,16 +391,16 @@ class Bench:
 
 
 def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: str | None, limit: int | None, max_new_tokens: int | None,
-              temperature: float, concurrency: str | None, data: list[str], engine: str = "dlite") -> BenchPlan:
+              temperature: float, concurrency: str | None, data: list[str], engine: str = "dlite", log=print) -> BenchPlan:
     """The command line's choices, the config's ``bench`` section where it makes none → a BenchPlan
-    (one-sentence errors for bad values).  ``engine`` vllm runs every method in vLLM."""
+    (one-sentence errors for bad values).  ``engine`` (auto, vllm or dlite; vllm_engine.choose_engine) is where the
+    methods run (:func:`engine_methods`)."""
+    from .vllm_engine import choose_engine
+
     names = defaults.methods if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
     if not names:
         raise DliteError("--methods is empty: expected e.g. ar,dlite,history,parallel,ngram")
-    if engine not in ("dlite", "vllm"):
-        raise DliteError(f"--engine must be dlite or vllm, got {engine!r}")
-    if engine == "vllm":
-        names = [n if n.startswith(VLLM_PREFIX) else VLLM_PREFIX + n for n in names]
+    names, moved = engine_methods(names, defaults.compare, choose_engine(engine, log), log)
     levels = defaults.concurrency
     if concurrency is not None:
         try:
@@ -394,4 +416,25 @@ def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: 
             raise DliteError(f"--data {item!r}: expected WORKLOAD=PATH_OR_HUB_ID with a workload among {', '.join(BY_NAME)}")
         sources[name] = where
     return BenchPlan(workload or suite, [w.name for w in select(suite, workload)], names, limit or defaults.limit,
-                     max_new_tokens or defaults.max_new_tokens, temperature, levels, sources)
+                     max_new_tokens or defaults.max_new_tokens, temperature, levels, sources, moved)
+
+
+def engine_methods(names: list[str], compare: list[str], engine: str, log=print) -> tuple[list[str], list[str]]:
+    """A plan's methods run in ``engine`` (vllm or dlite) → (the methods to measure, those of them moved to vLLM).
+
+    In vLLM every method is ``vllm:NAME`` but a history drafter, which vLLM cannot run and which stays in dlite's engine.
+    Then ``compare`` (bench.compare) runs in the other engine beside them: in dlite's engine when the plan runs in
+    vLLM, in vLLM (where it is installed; else said in one line) when it runs in dlite's.  Each engine's plain decoding
+    is measured wherever one of its methods is: speedups are against it."""
+    from .vllm_engine import INSTALL, supported_vllm
+
+    moved = [VLLM_PREFIX + n for n in names if engine == "vllm" and not n.startswith(VLLM_PREFIX) and not keeps_history(n)]
+    methods = [VLLM_PREFIX + n if VLLM_PREFIX + n in moved else n for n in names]
+    if engine == "vllm":
+        methods += compare
+    elif compare and supported_vllm():
+        methods += [VLLM_PREFIX + n for n in compare if not keeps_history(n)]
+    elif compare:
+        log(f"bench.compare's methods are not measured in vLLM: it is not installed ({INSTALL})")
+    plain = [m for m in ("ar", VLLM_PREFIX + "ar") if any(n.startswith(VLLM_PREFIX) == m.startswith(VLLM_PREFIX) for n in methods)]
+    return list(dict.fromkeys(methods + plain)), moved

@@ -42,6 +42,9 @@ DrafterOption = Annotated[
                            "NAME+ngram adds prompt lookup, NAME:fixed proposes all K tokens every round.")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
+EngineOption = Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite: decode in vLLM (the vllm extra, with dlite's "
+                                                     "plugin) or in dlite's own engine; auto takes vLLM where it is installed "
+                                                     "(default: decode.engine of the config).")]
 
 
 def log(message: str) -> None:
@@ -164,33 +167,57 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(metavar="TEXT", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Feed the prompt as it is, without the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, tau and all statistics).")] = False,
+    engine: EngineOption = None,
 ) -> None:
     """Decode one prompt with speculative decoding and print the text and its acceptance statistics."""
     import json
 
-    from .engine import Request, SamplingParams, load_engine
+    from .engine import Request, SamplingParams
     from .regen import chat_prompt_ids
 
     config = _load(target, set_)
     text = sys.stdin.read() if prompt == "-" else prompt
-    engine, tokenizer = load_engine(config, _run_dir(config, run_dir), drafter, slots=1, log=log)
+    decoder, tokenizer, engine = _decoding_engine(config, _run_dir(config, run_dir), drafter, engine or config.decode.engine)
     if raw:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], config.target.thinking)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop or ()), seed)
-    (request,) = engine.run([Request(ids, params)])
+    (request,) = decoder.run([Request(ids, params)])
     stats = request.stats.as_dict()
     if as_json:
-        print(json.dumps({"text": request.text, "finish_reason": request.finish_reason, "drafter": drafter, **stats}))
+        print(json.dumps({"text": request.text, "finish_reason": request.finish_reason, "drafter": drafter, "engine": engine, **stats}))
         return
     print(request.text)
     acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance"])
-    log(f"{drafter}: tau {stats['tau']:.2f} over {stats['rounds']} rounds, {stats['generated_tokens']} tokens "
-        f"({request.finish_reason}); prefill {stats['prefill_ms']:.0f} ms for {stats['prompt_tokens']} tokens; per round: "
-        f"draft {stats['draft_ms_per_round']:.1f} ms, verify {stats['verify_ms_per_round']:.1f} ms, "
-        f"other {stats['overhead_ms_per_round']:.1f} ms; acceptance by position: {acceptance or 'n/a'}; "
-        f"{stats['generated_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tok/s")
+    # vLLM does not split a step into draft and verify
+    rounds = ("" if engine == "vllm" else f"per round: draft {stats['draft_ms_per_round']:.1f} ms, verify {stats['verify_ms_per_round']:.1f} ms, "
+              f"other {stats['overhead_ms_per_round']:.1f} ms; ")
+    where = "vLLM" if engine == "vllm" else "dlite's engine"
+    log(f"{drafter} in {where}: tau {stats['tau']:.2f} over {stats['rounds']} rounds, {stats['generated_tokens']} tokens "
+        f"({request.finish_reason}); prefill {stats['prefill_ms']:.0f} ms for {stats['prompt_tokens']} tokens; {rounds}"
+        f"acceptance by position: {acceptance or 'n/a'}; {stats['generated_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tok/s")
+
+
+def _decoding_engine(config, run_dir: Path, drafter: str, setting: str):
+    """``generate``'s engine for ``--engine`` → (engine, tokenizer, its name): vLLM (auto: where installed) or dlite's own;
+    a drafter vLLM cannot draft with runs in dlite's under auto, said in one line."""
+    from .engine import load_engine
+    from .targets import load_tokenizer, prepare_target
+    from .vllm_engine import choose_engine
+
+    engine = choose_engine(setting, log)
+    if engine == "vllm":
+        from .vllm_engine.engine import load_vllm_engine
+
+        try:
+            return load_vllm_engine(config, run_dir, drafter, log), load_tokenizer(prepare_target(config.target, log)), engine
+        except DliteError as e:
+            if setting == "vllm":
+                raise
+            log(f"{e}: decoding in dlite's own engine instead")
+    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=1, log=log)
+    return decoder, tokenizer, "dlite"
 
 
 @app.command()
@@ -206,19 +233,28 @@ def serve(
     max_context: Annotated[Optional[int], typer.Option(metavar="N", min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
     max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Completion tokens of a chat request that names no max_tokens "
                                             "(at most the room its prompt leaves): what its slot reserves KV cache for.")] = DEFAULT_MAX_TOKENS,
-    engine: Annotated[str, typer.Option(metavar="ENGINE", help="dlite (its own server) or vllm: vLLM's OpenAI server drafting with the same "
-                                        "drafter (the vllm extra; --max-queue and --max-tokens are dlite's only).")] = "dlite",
+    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config). vllm: "
+                                                  "vLLM's OpenAI server drafting with the same drafter (the vllm extra); what differs there: "
+                                                  "beyond --max-queue it answers 503 (dlite's: 429), /metrics holds vLLM's own series, and "
+                                                  "replies carry no dlite acceptance statistics. auto: vLLM where it is installed and can "
+                                                  "draft with the drafter, else dlite's own server.")] = None,
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
     from .serve import serve as run_server
+    from .vllm_engine import choose_engine
 
     config = _load(target, set_)
-    if engine not in ("dlite", "vllm"):
-        raise DliteError(f"--engine must be dlite or vllm, got {engine!r}")
-    if engine == "vllm":
+    engine = engine or config.decode.engine
+    if choose_engine(engine, log) == "vllm":
         from .vllm_engine.engine import serve_vllm
 
-        serve_vllm(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_context, log)
+        try:
+            serve_vllm(config, _run_dir(config, run_dir), drafter, host, port, max_batch or config.decode.max_batch, max_queue, max_context,
+                       max_tokens, log)
+        except DliteError as e:
+            if engine == "vllm":
+                raise
+            log(f"{e}: serving with dlite's own engine instead")
     run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, log)
 
 
@@ -238,8 +274,10 @@ def bench(
     concurrency: Annotated[Optional[str], typer.Option(metavar="LIST", help="Concurrency levels for Table 4, comma-separated, '' to skip (default: bench.concurrency).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(metavar="WORKLOAD=PATH", help="Where a workload's data is: a file, a directory or a hub id (repeatable).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure the whole plan again instead of reusing earlier measurements.")] = False,
-    engine: Annotated[str, typer.Option(metavar="ENGINE", help="dlite (its own engine) or vllm: every method runs in vLLM (the vllm extra), "
-                                        "as does any method named vllm:NAME (e.g. --methods ar,dlite,vllm:ar,vllm:dlite, side by side).")] = "dlite",
+    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): where the "
+                                                  "methods run; vllm:NAME always runs in vLLM. In vLLM, a history drafter (which vLLM cannot "
+                                                  "run) stays in dlite's engine. The config's bench.compare methods also run in the other "
+                                                  "engine (in vLLM only where it is installed). auto: vllm where it is installed.")] = None,
 ) -> None:
     """Benchmark methods side by side and write the paper's Tables 1-4, plots and summary.md.
 
@@ -249,7 +287,8 @@ def bench(
     from .bench import Bench, plan_from
 
     config = _load(target, set_)
-    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [], engine)
+    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [],
+                     engine or config.decode.engine, log)
     Bench(config, _run_dir(config, run_dir), plan, log).run(force=force)
 
 
@@ -309,6 +348,8 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON instead of the tables.")] = False,
     memory: Annotated[Optional[float], typer.Option(metavar="GB", min=0.001, help="Only print every stage's memory plan for a GPU with this many GB "
                                                     "free, and exit non-zero if one does not fit (nothing is timed).")] = None,
+    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): with vLLM, "
+                                                  "the same passes are also timed inside vLLM, with its host and draft time per step.")] = None,
 ) -> None:
     """Time a decode round and a training step at the target's real shapes, with random weights (no download),
     after every stage's memory plan: what it holds at its peak on this device, traced before anything loads."""
@@ -328,7 +369,9 @@ def profile(
     choices = {"contexts": _numbers("--contexts", contexts, int), "batches": _numbers("--batches", batches, int),
                "widths": _numbers("--widths", widths, int), "taus": _numbers("--tau", tau, float), "repeats": repeats, "train_steps": train_steps}
     plan = dataclasses.replace(plan, **{k: v for k, v in choices.items() if v is not None})
-    result = Profiler(config, plan, log).run()
+    from .vllm_engine import choose_engine
+
+    result = Profiler(config, plan, log, vllm=choose_engine(engine or config.decode.engine, log) == "vllm").run()
     path = out or Path("runs") / config.name / f"profile-{device.type}.json"
     atomic_write_json(path, result)
     if as_json:

@@ -194,6 +194,9 @@ class DecodeConfig:
     adaptive: bool = True
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)
+    # Which engine generate, serve and bench decode in (their --engine overrides it): vllm (vLLM with dlite's plugin,
+    # the vllm extra), dlite (dlite's own engine, everything above), or auto: vLLM where it is installed
+    engine: Literal["auto", "vllm", "dlite"] = "auto"
 
 
 @dataclass
@@ -215,6 +218,9 @@ class BenchConfig:
 
     methods: list[str] = _checked(["ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"],
                                   check=lambda v: len(v) > 0, says="name at least one method")
+    # also measured in the other engine, side by side with the methods: in vLLM (where it is installed) when the bench
+    # runs in dlite's engine, in dlite's when it runs in vLLM (decode.engine, --engine); [] measures one engine only
+    compare: list[str] = field(default_factory=lambda: ["ar", "ngram", "dlite", "dlite+ngram"])
     limit: int = positive(8)  # episodes per workload
     max_new_tokens: int = positive(64)  # per assistant turn
     concurrency: list[int] = _checked([1, 4, 16, 64], check=lambda v: all(c >= 1 for c in v), says="be levels >= 1 ([] skips Table 4)")

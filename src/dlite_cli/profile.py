@@ -93,8 +93,9 @@ def fake_rows(batch: int, context: int, features: int, hidden: int, device, dtyp
 
 
 class Profiler:
-    def __init__(self, config: Config, plan: ProfilePlan, log=print):
-        self.config, self.plan, self.log = config, plan, log
+    def __init__(self, config: Config, plan: ProfilePlan, log=print, vllm: bool = False):
+        """``vllm``: also time the same passes inside vLLM (vllm_engine/profile.py)."""
+        self.config, self.plan, self.log, self.vllm = config, plan, log, vllm
         self.device = resolve_device(config.target.device)
         self.arch = architecture(config)
         self.capacity = device_memory(self.device)
@@ -142,6 +143,10 @@ class Profiler:
                 bar.update(advance=1)
         result["overhead"] = self._overhead(dlite)
         result["predicted"] = self._predicted(result)
+        if self.vllm:
+            from .vllm_engine.profile import profile_vllm
+
+            result["vllm"] = profile_vllm(self.arch, self.spec, self.dtype_name, self.plan, self.config.vllm, self.log)
         result["training"] = self._training() if self.plan.train_steps and not self.training_skipped else []
         if self.training_skipped:
             result["skipped"].append({"stage": "training steps", "reason": self.training_skipped})
@@ -273,6 +278,8 @@ def render(result: dict) -> list:
                           f"{r['round_in_steps']:.2f}", *(f"{r['speedup'][t]:.2f}×" for t in taus))
     tables = [memory_table([MemoryPlan(**p) for p in result["memory"]["plans"]], result["memory"]["free_bytes"], result["hardware"]),
               passes, drafts, predicted]
+    if "vllm" in result:
+        tables.append(vllm_table(result, by_cell))
     if result["training"]:
         training = Table(title="training step of one process (train.micro_batch sequences of train.max_length tokens)")
         for column in ("stage", "s / step", "anchors / s", "tokens / s"):
@@ -281,6 +288,27 @@ def render(result: dict) -> list:
             training.add_row(t["stage"], f"{t['step_s']:.3f}", f"{t['anchors_per_s']:.0f}", f"{t['tokens_per_s']:.0f}")
         tables.append(training)
     return tables
+
+
+def vllm_table(result: dict, dlite_cells: dict):
+    """The same passes inside vLLM (vllm_engine/profile.py) beside dlite's, and vLLM's host and draft ms per step."""
+    from rich.table import Table
+
+    vllm = result["vllm"]
+    widths = sorted({p["tokens"] for p in vllm["passes"]})
+    table = Table(title=f"inside vLLM {vllm['version']} ({vllm['dtype']}, {'eager' if vllm['enforce_eager'] else 'compiled'}): the target's "
+                        "forward, ms, by tokens per pass (dlite's pass in brackets), and per step vLLM's host time (step − forward − draft) "
+                        "and dlite's plugin's draft round")
+    for column in ["batch", "context", *map(str, widths), "host", "draft"]:
+        table.add_column(column, justify="right")
+    by_cell = {}
+    for p in vllm["passes"]:
+        by_cell.setdefault((p["batch"], p["context"]), {})[p["tokens"]] = p
+    for (batch, context), cells in by_cell.items():
+        ours = dlite_cells.get((batch, context), {})
+        shown = [f"{cells[w]['forward_ms']:.2f}" + (f" ({ours[w]['ms']:.2f})" if w in ours else "") for w in widths]
+        table.add_row(str(batch), str(context), *shown, f"{cells[widths[-1]]['host_ms']:.2f}", f"{cells[widths[-1]]['draft_ms']:.2f}")
+    return table
 
 
 def memory_table(plans: list[MemoryPlan], capacity: int, device: str):

@@ -72,7 +72,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
         # the baseline is the fastest plain decoding measured in the method's engine (ar, or ar:fastest where the methods'
         # passes are padded; vllm:ar for a method run in vLLM)
-        engine_plain = ("vllm:ar",) if method.startswith("vllm:") else ("ar", "ar:fastest")
+        engine_plain = (plain_of(method),) if engine_of(method) == "vLLM" else ("ar", "ar:fastest")
         plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
         baseline = min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
         ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
@@ -165,7 +165,17 @@ def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
     return f"{text} (synthetic)" if source.startswith("synthetic") else text
 
 
-ROW_KEYS = ["target", "method", "drafter", "origin", "hardware"]  # origin: release, or the stage that trained the checkpoint
+ROW_KEYS = ["target", "method", "engine", "drafter", "origin", "hardware"]  # origin: release, or the stage that trained the checkpoint
+
+
+def engine_of(method: str) -> str:
+    """The engine a bench method ran in: vLLM for ``vllm:NAME``, dlite's own otherwise."""
+    return "vLLM" if method.startswith("vllm:") else "dlite"
+
+
+def plain_of(method: str) -> str:
+    """The plain decoding a method's speedup is taken against: its own engine's."""
+    return "vllm:ar" if engine_of(method) == "vLLM" else "ar"
 
 
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
@@ -187,7 +197,8 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
         columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
         table = Table(name, title, columns)
         for method in methods:
-            row = {"target": target, "method": method, "drafter": _of(stats, method, "drafter"), "origin": _of(stats, method, "origin"), "hardware": hardware}
+            row = {"target": target, "method": method, "engine": engine_of(method), "drafter": _of(stats, method, "drafter"),
+                   "origin": _of(stats, method, "origin"), "hardware": hardware}
             for w in workloads:
                 cell = stats.get((w, method))
                 for m in metrics:
@@ -199,8 +210,8 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
                 for paper_method, values in by_method.items():
                     row = next((r for r in table.rows if r.get("_paper") == (model, paper_method)), None)
                     if row is None:
-                        row = {"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "origin": "paper", "hardware": paper_hardware,
-                               "_paper": (model, paper_method)}
+                        row = {"target": f"{model} (paper)", "method": paper_method, "engine": setup.get("engine", ""), "drafter": "published",
+                               "origin": "paper", "hardware": paper_hardware, "_paper": (model, paper_method)}
                         table.rows.append(row)
                     for w, value in zip(paper_workloads, values):
                         row[f"{BY_NAME[w].title} {metric if len(metrics) > 1 else ''}".strip()] = _cell(value)
@@ -212,14 +223,16 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
             elif any((w, m) in stats for m in methods):  # where every measured workload's data came from
                 table.notes.append(f"{BY_NAME[w].title}: {next(stats[w, m]['source'] for m in methods if (w, m) in stats)}")
         table.notes += [f"method {m}: not run — {reason}" for m, reason in unavailable.get("methods", {}).items()]
-        table.notes.append("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side; "
-                           "the baseline is the faster of ar and ar:fastest (one token a pass, where the methods share wider passes)")
+        table.notes.append("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side in the "
+                           "method's engine: vllm:ar for vLLM's methods; in dlite's, the faster of ar and ar:fastest (one token a pass, where "
+                           "the methods share wider passes)")
         tables.append(table)
     table = Table("table4_throughput", "Table 4: throughput vs concurrency", ROW_KEYS + ["workload", "concurrency", "tokens/s", "speedup"])
-    ar = {r["concurrency"]: r["tokens_per_s"] for r in throughput if r["method"] == "ar"}
+    plain = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in throughput if r["method"] in ("ar", "vllm:ar")}
     for r in throughput:
-        speedup = r["tokens_per_s"] / ar[r["concurrency"]] if r["concurrency"] in ar else None
-        table.rows.append({"target": target, "method": r["method"], "drafter": _of(stats, r["method"], "drafter"),
+        baseline = plain.get((plain_of(r["method"]), r["concurrency"]))
+        speedup = r["tokens_per_s"] / baseline if baseline else None
+        table.rows.append({"target": target, "method": r["method"], "engine": engine_of(r["method"]), "drafter": _of(stats, r["method"], "drafter"),
                            "origin": _of(stats, r["method"], "origin"), "hardware": hardware,
                            "workload": BY_NAME[r["workload"]].title, "concurrency": r["concurrency"],
                            "tokens/s": _cell(r["tokens_per_s"], 1), "speedup": _cell(speedup)})
@@ -227,10 +240,12 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
         for workload, by_method in by_workload.items():
             for paper_method, levels in by_method.items():
                 for level, cell in levels.items():
-                    table.rows.append({"target": f"{model} (paper)", "method": paper_method, "drafter": "published", "origin": "paper", "hardware": paper_hardware,
+                    table.rows.append({"target": f"{model} (paper)", "method": paper_method, "engine": setup.get("engine", ""), "drafter": "published",
+                                       "origin": "paper", "hardware": paper_hardware,
                                        "workload": BY_NAME[workload].title, "concurrency": level,
                                        "tokens/s": _cell(cell.get("tps"), 0), "speedup": _cell(cell.get("speedup"))})
-    table.notes.append("tokens/s over the whole batch, prefill included; every slot serves two requests")
+    table.notes.append("tokens/s over the whole batch, prefill included; every slot serves two requests; speedup against plain decoding "
+                       "in the method's engine")
     tables.append(table)
     return tables
 

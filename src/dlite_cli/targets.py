@@ -28,6 +28,7 @@ from .config import MicroConfig, TargetConfig, config_hash
 from .devices import resolve_device
 from .errors import DliteError
 from .hub import from_hub, is_hub_id
+from .linears import KERNELS
 from .precision import decide
 from .runner import COST_CONTEXT, TargetRunner, decode_path, pass_width
 from .wheels import cache_dir, wheel_file
@@ -114,17 +115,23 @@ def load_target_config(prepared: PreparedTarget):
 
 
 def load_model(prepared: PreparedTarget, dtype: str, device, log=print, work: Work = Work("decoding")):
-    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16, or auto: the faster of float32
-    and bfloat16 at ``work`` here, see :func:`target_dtype`), on ``device``."""
+    """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16, or auto: see :func:`resolved_dtype`),
+    on ``device``."""
+    return _builder(prepared, device)(resolved_dtype(prepared, dtype, device, log, work))
+
+
+def resolved_dtype(prepared: PreparedTarget, dtype: str, device, log=print, work: Work = Work("decoding")) -> str:
+    """``target.dtype`` → a dtype name: as set, or for auto the faster of float32 and bfloat16 at ``work`` here
+    (:func:`target_dtype`; remembered, so a later call builds no model)."""
+    return dtype if dtype != "auto" else target_dtype(_builder(prepared, device), device, work, prepared.fingerprint, log)
+
+
+def _builder(prepared: PreparedTarget, device):
+    """dtype name → the target model in eval mode on ``device``."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    def build(name: str):
-        return _from_pretrained(AutoModelForCausalLM, prepared, dtype=getattr(torch, name)).to(device).eval()
-
-    if dtype == "auto":
-        dtype = target_dtype(build, device, work, prepared.fingerprint, log)
-    return build(dtype)
+    return lambda name: _from_pretrained(AutoModelForCausalLM, prepared, dtype=getattr(torch, name)).to(device).eval()
 
 
 def target_dtype(build, device, work: Work, target: str, log=print) -> str:
@@ -133,7 +140,8 @@ def target_dtype(build, device, work: Work, target: str, log=print) -> str:
     what = (f"a pass over {work.batch} rows (1 token each, {BATCHED_CONTEXT} of context)" if work.kind == "batched"
             else f"a decode step + a {work.draft_tokens + 1}-token verify (batch 1, {COST_CONTEXT} of context)")
     options = {name: lambda name=name: work_ms(build(name), work) for name in ("float32", "bfloat16")}
-    return decide(f"target.dtype ({work.kind})", {"target": target, **dataclasses.asdict(work)}, options, what, device, log)
+    key = {"target": target, **dataclasses.asdict(work), "kernels": KERNELS}
+    return decide(f"target.dtype ({work.kind})", key, options, what, device, log)
 
 
 def work_ms(model, work: Work) -> float:

