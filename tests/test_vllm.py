@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -262,8 +263,8 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup(cache_dir, drafter_
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "serve", "--engine", "vllm", *CLI_OPTIONS, "--drafter", f"{drafter_dir}+ngram",
-                                "--port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "DLITE_CACHE": str(cache_dir)})
+                                "--port", str(port), "--max-batch", "1", "--max-queue", "0", "--max-tokens", "5"], cwd=tmp_path, stdout=log,
+                               stderr=subprocess.STDOUT, env={**os.environ, "DLITE_CACHE": str(cache_dir)})
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -276,6 +277,10 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup(cache_dir, drafter_
         body = {"model": "micro", "prompt": prompts[1], "max_tokens": NEW_TOKENS, "temperature": 0}
         served = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
         metrics = httpx.get(url + "/metrics").text
+        unbounded = httpx.post(url + "/v1/completions", json={**body, "max_tokens": None, "ignore_eos": True}, timeout=120).json()
+        with ThreadPoolExecutor(3) as pool:  # one decoded, none may wait: the others are refused
+            statuses = sorted(r.status_code for r in pool.map(lambda _: httpx.post(url + "/v1/completions", json={**body, "max_tokens": 200},
+                                                                                 timeout=120), range(3)))
     finally:
         process.terminate()
         process.wait(60)
@@ -284,3 +289,62 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup(cache_dir, drafter_
     assert served["choices"][0]["text"] == engine.text_of(request)
     accepted = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
     assert accepted > 0
+    assert unbounded["usage"]["completion_tokens"] == 5  # --max-tokens, where the request names none
+    assert statuses[0] == 200 and 503 in statuses
+
+
+def test_generate_in_vllm_writes_dlites_text_and_a_history_drafter_falls_back_to_dlites_engine(run_cli, drafter_dir, micro, tmp_path):
+    _, model = micro
+    ask = ("generate", *CLI_OPTIONS, "--raw", "-p", "def main():", "--max-new-tokens", "12", "--json")
+    outputs = {engine: json.loads(run_cli(*ask, "--drafter", f"{drafter_dir}:fixed", "--engine", engine).stdout) for engine in ("vllm", "dlite")}
+    assert outputs["vllm"]["engine"] == "vllm" and outputs["vllm"]["text"] == outputs["dlite"]["text"]
+    assert outputs["vllm"]["acceptance"][0] is not None  # drafted
+    assert abs(outputs["vllm"]["tau"] - outputs["dlite"]["tau"]) < 0.15  # all K proposed in both: the same drafts accepted
+    teacher = tmp_path / "teacher"
+    Drafter(DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), FULL_HISTORY)).save(teacher)
+    done = run_cli(*ask, "--drafter", str(teacher), "--engine", "auto")
+    assert json.loads(done.stdout)["engine"] == "dlite" and "keeps a draft history" in done.stderr and "in dlite's own engine instead" in done.stderr
+    refused = run_cli(*ask, "--drafter", str(teacher), "--engine", "vllm", check=False)
+    assert refused.returncode == 2 and "keeps a draft history" in refused.stderr
+
+
+def test_profile_times_the_same_passes_inside_vllm(run_cli, tmp_path):
+    run_cli("profile", *CLI_OPTIONS, "--engine", "vllm", "--train-steps", "0", "--contexts", "64", "--batches", "1", "--repeats", "2",
+            "--out", str(tmp_path / "profile.json"))
+    result = json.loads((tmp_path / "profile.json").read_text())
+    passes = result["vllm"]["passes"]
+    assert [p["tokens"] for p in passes] == [w for w in result["plan"]["widths"] if w <= K + 1]  # what the drafter can propose
+    assert all(p["forward_ms"] > 0 and p["step_ms"] >= p["forward_ms"] and p["steps"] >= 2 for p in passes)
+
+
+def status(pid: int) -> str:
+    """/proc's status of process ``pid`` ("" once it is gone)."""
+    try:
+        return open(f"/proc/{pid}/status").read()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    return status(pid) != "" and "\nState:\tZ" not in status(pid)
+
+
+def test_vllms_engine_processes_die_with_the_process_that_started_them(micro, cache_dir):
+    """vLLM's engine core waits for its client for ever: the plugin has it killed when its parent dies, even by kill -9."""
+    script = (f"from dlite_cli.config import VllmConfig; from dlite_cli.vllm_engine.engine import VllmEngine; "
+              f"VllmEngine({str(micro[0])!r}, None, VllmConfig(enforce_eager=True, kv_cache_gib=0.25), 'float32', print); "
+              "print('ready', flush=True); import time; time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "DLITE_CACHE": str(cache_dir)})
+    try:
+        assert any(process.stdout.readline().strip() == "ready" for _ in range(50)), "the engine did not start"
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and f"\nPPid:\t{process.pid}\n" in status(int(p))]
+        assert children and all(map(alive, children))
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.time() + 30
+    while any(map(alive, children)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(map(alive, children))

@@ -194,7 +194,7 @@ class DecodeConfig:
     adaptive: bool = True
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)
-    # Which engine generate, serve and bench decode in (their --engine overrides it): vllm (vLLM with dlite's plugin,
+    # Which engine generate, serve, bench and profile decode in (their --engine overrides it): vllm (vLLM with dlite's plugin,
     # the vllm extra), dlite (dlite's own engine, everything above), or auto: vLLM where it is installed
     engine: Literal["auto", "vllm", "dlite"] = "auto"
 

