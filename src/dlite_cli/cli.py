@@ -61,7 +61,11 @@ def _run_dir(config: Config, run_dir: Path | None) -> Path:
 
 
 def _quiet_libraries() -> None:
-    """Our own progress bars and messages replace the libraries' per-file bars and warnings."""
+    """Our own progress bars and messages replace the libraries' per-file bars and warnings (once the torch
+    extensions transformers would import are known to load)."""
+    from .devices import check_torch_extensions
+
+    check_torch_extensions()
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -84,7 +88,7 @@ def regen(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    backend: Annotated[Optional[str], typer.Option(metavar="NAME", help="hf (transformers), openai (a server) or sglang (offline engine).")] = None,
+    backend: Annotated[Optional[str], typer.Option(metavar="NAME", help="hf (transformers generate), dlite (dlite's own engine), openai (a server) or sglang (offline engine).")] = None,
     base_url: Annotated[Optional[str], typer.Option(metavar="URL", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
     concurrency: Annotated[int, typer.Option(metavar="N", min=1, help="Requests in flight with the openai backend.")] = 16,
     model: Annotated[Optional[str], typer.Option(metavar="NAME", help="Model name on the server (default: its first model).")] = None,
@@ -475,6 +479,31 @@ def status(
         for row in rows:
             if row["produced_by"]:
                 console.print(f"{row['stage']}: {row['produced_by']}", markup=False)
+
+
+@app.command()
+def precision(
+    forget: Annotated[bool, typer.Option("--forget", help="Delete every remembered decision: each is measured again when next needed.")] = False,
+) -> None:
+    """List the precision decisions this machine remembers (auto dtypes and autocast): each option's median time,
+    the rounds, their spread, the other processes' load while timing, and whether it will be measured again."""
+    from .precision import forget as forget_all, records_dir, remembered
+
+    if forget:
+        log(f"forgot {forget_all()} precision decisions in {records_dir()}")
+        return
+    table = Table(title=f"precision decisions remembered in {records_dir()}")
+    for column in ("setting", "work", "choice", "median ms", "rounds", "spread", "load", "measured", "again"):
+        table.add_column(column, overflow="fold")
+    for record, decision in remembered():
+        if decision is None:
+            table.add_row(record.stem, "(from an older dlite: measured again when next needed)", *[""] * 6, "yes")
+            continue
+        medians = ", ".join(f"{option} {ms:.1f}" for option, ms in decision.ms.items())
+        load = "" if decision.load is None else f"{decision.load:.0%}"
+        table.add_row(decision.setting, decision.work, decision.choice, medians, str(len(decision.rounds)),
+                      f"{decision.spread:.0%}", load, decision.measured_at, "no" if decision.settled else "yes")
+    Console().print(table)
 
 
 def _human_bytes(size: float) -> str:

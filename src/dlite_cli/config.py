@@ -70,8 +70,9 @@ class TargetConfig:
     """The target model: a built-in name (``smollm2-135m``, ``micro``), a hub id or a local path."""
 
     model: str
-    # auto: bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16 does the stage's work faster, timed once
-    # per machine (precision.py): batched passes for regen and the feature pass, a decode round for decoding
+    # auto: bfloat16 on a GPU; on a CPU whichever of float32 and bfloat16 does the stage's work at least 10 % faster
+    # in interleaved timings, else float32 (precision.py): batched passes for regen and the feature pass, a decode
+    # round for decoding
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # Where every stage runs the target and the drafter: auto (CUDA when available), cpu, cuda, cuda:N.
     # Under `accelerate launch` each process uses its own GPU and only cpu vs cuda is taken from here.
@@ -106,7 +107,9 @@ class RegenConfig:
     """``dlite regen``: the target rewrites the responses to these prompts."""
 
     sources: list[SourceConfig]
-    backend: Literal["hf", "openai", "sglang"] = "hf"
+    # hf: transformers' generate on padded batches; dlite: dlite's own engine on the same batches (no padding, a
+    # finished row leaves the pass); openai: any OpenAI-compatible server; sglang: SGLang's offline engine (GPUs)
+    backend: Literal["hf", "dlite", "openai", "sglang"] = "hf"
     temperature: float = non_negative(0.0)
     top_p: float = _checked(1.0, check=lambda v: 0 < v <= 1, says="be in (0, 1]")
     max_new_tokens: int = positive(4096)
@@ -165,7 +168,7 @@ class TrainConfig:
     features: Literal["online", "cached"] = "online"
     # The drafter's forward and backward under autocast (weights and optimizer stay float32).  auto: what
     # `accelerate launch` was configured with; else bf16 on a GPU, and on a CPU whichever of a bf16-autocast and
-    # a float32 training step is the faster here, timed once per machine (train.mixed_precision, precision.py).
+    # a float32 training step is clearly the faster here, else no autocast (train.mixed_precision, precision.py).
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     target_top_k: int = positive(32)  # p^T kept as its top-k (the TV loss is exact for that truncation)
     target_batch: int = positive(8)  # sequences per no-grad target pass
@@ -179,7 +182,7 @@ class DecodeConfig:
     """The speculative-decoding engine (``generate``, ``bench``, ``serve``); never changes what was trained."""
 
     # The drafter only proposes, so its precision cannot change the output, only the time.  auto: bfloat16 on a
-    # GPU; on a CPU whichever of float32 and bfloat16 drafts a round faster here, timed once per machine
+    # GPU; on a CPU whichever of float32 and bfloat16 drafts a round clearly faster here, else float32
     # (precision.py).  With AVX-512 BF16, bfloat16 took a smollm2-135m round from 39 to 22 ms (same tau).
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # How a decode round runs (outputs are the same on every path):

@@ -352,8 +352,8 @@ def draft_dtype(setting: str, drafter: Drafter, embed, log=print) -> str:
     the output, only the time (and, a little, τ)."""
     if setting != "auto":
         return setting
-    options = {name: lambda name=name: draft_round_ms(copy.deepcopy(drafter).to(dtype=getattr(torch, name)), embed)
-               for name in ("float32", "bfloat16")}
+    copies = {name: copy.deepcopy(drafter).to(dtype=getattr(torch, name)) for name in ("float32", "bfloat16")}
+    options = {name: lambda name=name: draft_round_ms(copies[name], embed) for name in copies}
     return decide("decode.draft_dtype", {"spec": dataclasses.asdict(drafter.spec)}, options, "a draft round (batch 1)",
                   drafter.norm.weight.device, log)
 

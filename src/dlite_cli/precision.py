@@ -10,12 +10,17 @@ Four settings may be ``auto``; each is decided by timing its own work both ways:
 
 On a GPU ``auto`` is bfloat16 for all four, unmeasured.  On a CPU the answer depends on the CPU: with AMX or
 AVX-512 BF16 bfloat16 is often the faster, with AVX2 alone it is several times slower at batched work while a
-single decode step may still be quicker.  A decision is measured once per machine (and per shape that
-matters), remembered in the dlite cache, printed as one line with both timings, and recorded in the manifest
-of the stage that asked for it (:func:`made`).  Each option is timed twice, in mirrored order, and keeps its best
-(:func:`measure`), so that a passing load (just after an install: a bfloat16 pass once timed 498 ms, 155 ms
-minutes later) does not decide for the machine; a first round that parts them by more than 5x is not repeated.
-An explicit value in a config or ``--set`` is never measured.
+single decode step may still be quicker.
+
+A single timing decides nothing (:func:`measure`): each option is run once untimed (oneDNN builds its
+primitives, the allocator grows), then the options are timed in ROUNDS interleaved rounds (A B, B A, A B, …)
+and compared by their medians (:func:`verdict`).  Unless the medians part by MARGIN or more and the rounds
+agree, the conventional choice stands: float32 on a CPU.  While the options are timed, the share of the
+cores other processes keep busy is measured too (:class:`devices.OtherLoad`).  A decision is remembered in
+the dlite cache with its rounds, spread and load, printed as one line, and recorded in the manifest of the
+stage that asked for it (:func:`made`); one taken on a busy machine, or on a thin margin the first time,
+is measured again next time.  ``dlite precision`` lists what is remembered and ``--forget`` clears it.  An
+explicit value in a config or ``--set`` is never measured.
 """
 
 from __future__ import annotations
@@ -23,31 +28,53 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .devices import hardware
+from .devices import OtherLoad, hardware
 
 GPU_CHOICE = "bfloat16"
-CLEAR_RATIO = 5.0  # the largest passing load seen here slowed one timing 3.2x (498 vs 155 ms)
+CPU_CHOICE = "float32"
+ROUNDS = 5  # interleaved timings of each option, after one untimed run of each
+MARGIN = 0.10  # the slower median must be this much above the faster for the faster to be chosen
+CLEAR_RATIO = 5.0  # two rounds that both part the options by more than this end the timing early
+BUSY = 0.25  # other processes keeping more than this share of the cores busy: measured again next time
 
 
 @dataclass
 class Decision:
     setting: str  # e.g. "target.dtype (batched)"
     choice: str
-    ms: dict[str, float]  # option → ms of the timed work ({} on a GPU: not measured)
+    ms: dict[str, float]  # option → median ms of the timed work ({} on a GPU: not measured)
     work: str  # what was timed
     hardware: str
+    rounds: list[dict[str, float]] = field(default_factory=list)  # each round's ms per option
+    reason: str = ""  # why ``choice``, in words
+    decisive: bool = False  # the medians parted by MARGIN and the rounds agreed
+    load: float | None = None  # share of the cores other processes kept busy while timing (None: unknown)
+    measured_at: str = ""  # UTC, ISO 8601
+    settled: bool = False  # not measured again: decisive, or thin twice, on a machine that was not busy
+
+    @property
+    def spread(self) -> float:
+        """The largest (max − min) / median of an option's rounds."""
+        return max(((max(r[o] for r in self.rounds) - min(r[o] for r in self.rounds)) / self.ms[o] for o in self.ms),
+                   default=0.0)
 
     def line(self, remembered: str = "") -> str:
         if not self.ms:
             return f"{self.setting} auto: {self.choice} on {self.hardware} (a GPU: not measured)"
         timings = ", ".join(f"{ms:.1f} ms in {option}" for option, ms in self.ms.items())
-        where = f" (remembered in {remembered})" if remembered else ""
-        return f"{self.setting} auto: {self.work} takes {timings} on {self.hardware}; using {self.choice}{where}"
+        load = "" if self.load is None else f", other processes busy on {self.load:.0%} of the cores"
+        again = "" if self.settled else "; measured again next time"
+        where = f" (remembered in {remembered}{again})" if remembered else ""
+        return (f"{self.setting} auto: {self.work} takes {timings} on {self.hardware} (medians of {len(self.rounds)} "
+                f"interleaved rounds, spread {self.spread:.0%}{load}); using {self.choice}: {self.reason}{where}")
 
 
 _made: dict[str, Decision] = {}  # (setting, key) → the decision this process made or recalled
@@ -55,43 +82,76 @@ _asked: list[str] = []  # every (setting, key) asked for in this process, in ord
 
 
 def fastest(ms: dict[str, float]) -> str:
-    """The option whose work took the least time (the first named on a tie): the whole rule, by construction
-    whatever the CPU, since the timings come from the machine itself."""
+    """The option whose work took the least time (the first named on a tie)."""
     return min(ms, key=ms.get)
 
 
-def measure(options: dict[str, Callable[[], float]]) -> dict[str, float]:
-    """Each option's best of two timings, taken in the order A B B A: a load that comes and goes, or a machine
-    that speeds up or slows down while it is measured, then favours neither option.  Where the first round already
-    parts them by more than CLEAR_RATIO (bfloat16 autocast without native bfloat16: a training step 10x slower, some
-    30 s), no passing load seen here could reverse it, and the second round is not timed."""
-    ms: dict[str, float] = {}
-    for name in options:
-        ms[name] = round(options[name](), 2)
-    if max(ms.values()) <= CLEAR_RATIO * min(ms.values()):
-        for name in reversed(options):
-            ms[name] = round(min(options[name](), ms[name]), 2)
-    return ms
+def _clear(rounds: list[dict[str, float]]) -> bool:
+    """Whether every round parts the options by more than CLEAR_RATIO, the same one ahead each time."""
+    return len({fastest(r) for r in rounds}) == 1 and all(max(r.values()) > CLEAR_RATIO * min(r.values()) for r in rounds)
+
+
+def measure(options: dict[str, Callable[[], float]], rounds: int = ROUNDS) -> list[dict[str, float]]:
+    """Each option run once untimed, then ``rounds`` rounds of one timing each (ms), in alternating order
+    (A B, B A, …) so that a load that comes and goes, or a machine that speeds up, favours neither.  Two
+    rounds that part the options by more than CLEAR_RATIO the same way end it early (a bfloat16-autocast
+    training step without native bfloat16 is 20× the slower, some 30 s a step)."""
+    for run in options.values():
+        run()
+    timed: list[dict[str, float]] = []
+    for index in range(rounds):
+        order = list(options) if index % 2 == 0 else list(reversed(options))
+        timed.append({name: round(options[name](), 2) for name in order})
+        if len(timed) == 2 and _clear(timed):
+            break
+    return [{name: r[name] for name in options} for r in timed]
+
+
+def verdict(rounds: list[dict[str, float]], conventional: str) -> tuple[dict[str, float], str, str, bool]:
+    """Rounds of timings → (median ms per option, the choice, why, decisive).  The fastest median is chosen
+    when it is MARGIN or more ahead and the fastest in all rounds but at most one; otherwise ``conventional``."""
+    medians = {name: round(statistics.median(r[name] for r in rounds), 2) for name in rounds[0]}
+    best = fastest(medians)
+    wins = sum(fastest(r) == best for r in rounds)
+    margin = min(ms for name, ms in medians.items() if name != best) / max(medians[best], 1e-9) - 1
+    if wins < len(rounds) - 1:
+        return medians, conventional, f"the conventional choice: the rounds disagree ({best} the faster in {wins} of {len(rounds)})", False
+    if margin < MARGIN:
+        return medians, conventional, f"the conventional choice: the medians are within {MARGIN:.0%} ({margin:.1%})", False
+    return medians, best, f"{margin:.0%} faster, in {wins} of {len(rounds)} rounds", True
+
+
+def records_dir() -> Path:
+    from .wheels import cache_dir
+
+    return cache_dir() / "precision"
+
+
+def _recall(record: Path) -> Decision | None:
+    """The decision remembered in ``record``, or None (none, or one from a dlite that kept no rounds)."""
+    try:
+        data = json.loads(record.read_text())
+        return Decision(**data) if data.get("rounds") or not data.get("ms") else None
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], work: str, device: torch.device,
-           log=print, gpu_choice: str = GPU_CHOICE) -> str:
-    """``setting`` auto → the option of ``options`` (name → a function timing the work in ms) that is fastest
-    here, measured once per machine and ``key`` (what else the timing depends on) and then remembered."""
+           log=print, gpu_choice: str = GPU_CHOICE, cpu_choice: str = CPU_CHOICE) -> str:
+    """``setting`` auto → the option of ``options`` (name → a function timing the work once, in ms) that is
+    clearly the fastest here (:func:`verdict`), else ``cpu_choice``; remembered per machine and ``key`` (what
+    else the timing depends on) until a measurement on a quiet machine settles it."""
     from .artifacts import atomic_write_json  # artifacts records this module's decisions in manifests
-    from .wheels import cache_dir
 
     machine, ident = hardware(device), json.dumps([setting, key], sort_keys=True)
     if device.type == "cuda":
-        decision, remembered = Decision(setting, gpu_choice, {}, work, machine), ""
+        decision, remembered = Decision(setting, gpu_choice, {}, work, machine, reason="a GPU", settled=True), ""
     else:
         digest = hashlib.sha256(f"{ident}{machine}".encode()).hexdigest()[:16]
-        record = cache_dir() / "precision" / f"{setting.split()[0]}-{digest}.json"
-        if record.is_file():
-            decision = Decision(**json.loads(record.read_text()))
-        else:
-            ms = measure(options)
-            decision = Decision(setting, fastest(ms), ms, work, machine)
+        record = records_dir() / f"{setting.split()[0]}-{digest}.json"
+        decision = _made.get(ident) or _recall(record)
+        if decision is None or not decision.settled and ident not in _made:
+            decision = _measured(setting, options, work, machine, cpu_choice, decision)
             atomic_write_json(record, dataclasses.asdict(decision))
         remembered = str(record)
     if ident not in _made:
@@ -99,6 +159,32 @@ def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], wor
     _made[ident] = decision
     _asked.append(ident)
     return decision.choice
+
+
+def _measured(setting, options, work, machine, cpu_choice, before: Decision | None) -> Decision:
+    """A new decision from timing ``options``; ``before``, the one it replaces, settles a second thin one."""
+    with OtherLoad() as load:
+        rounds = measure(options)
+    medians, choice, reason, decisive = verdict(rounds, cpu_choice)
+    quiet = load.share is None or load.share < BUSY
+    thin_before = before is not None and not before.decisive and (before.load is None or before.load < BUSY)
+    if not quiet:
+        reason += f" (measured while other processes kept {load.share:.0%} of the cores busy)"
+    return Decision(setting, choice, medians, work, machine, rounds, reason, decisive, load.share,
+                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), quiet and (decisive or thin_before))
+
+
+def remembered() -> list[tuple[Path, Decision | None]]:
+    """Every decision record in the cache, with what it holds (None: unreadable or from an older dlite)."""
+    return [(record, _recall(record)) for record in sorted(records_dir().glob("*.json"))]
+
+
+def forget() -> int:
+    """Delete every remembered decision (each is measured again when next needed) → how many there were."""
+    records = list(records_dir().glob("*.json"))
+    for record in records:
+        record.unlink()
+    return len(records)
 
 
 def mark() -> int:

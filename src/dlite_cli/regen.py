@@ -122,6 +122,31 @@ class HFBackend:
         return completions
 
 
+class EngineBackend:
+    """dlite's own engine (engine.py) without a drafter, on each batch: a row that stops leaves the pass, where
+    transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend)."""
+
+    def __init__(self, model, tokenizer, regen: RegenConfig):
+        from .drafters import NoDrafter
+        from .engine import Engine, stop_tokens_and_text
+        from .runner import TargetRunner
+
+        runner = TargetRunner(model, [], regen.batch_size, regen.max_length + 2)
+        self.engine, self.regen = Engine(runner, NoDrafter(), *stop_tokens_and_text(model, tokenizer)), regen
+
+    def close(self) -> None:
+        pass  # the model is the caller's
+
+    def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
+        from .engine import Request, SamplingParams
+
+        regen = self.regen
+        requests = [Request(ids, SamplingParams(min(regen.max_new_tokens, regen.max_length - len(ids)), regen.temperature,
+                                                regen.top_p, seed=seed + row))
+                    for row, ids in enumerate(prompt_ids)]
+        return [Completion(r.output_ids, r.text, "stop" if r.finish_reason == "stop" else "length") for r in self.engine.run(requests)]
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible server (SGLang, vLLM, ``dlite serve``): chat completions, ``concurrency`` at a time."""
 
@@ -267,9 +292,10 @@ def run_regen(
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
     if mine:
         device = resolve_device(config.target.device)
-        model = load_model(target, config.target.dtype, device, log, Work("batched", regen.batch_size)) if regen.backend == "hf" else None
+        model = load_model(target, config.target.dtype, device, log, Work("batched", regen.batch_size)) if regen.backend in ("hf", "dlite") else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
+            "dlite": lambda: EngineBackend(model, tokenizer, regen),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),
             "sglang": lambda: SGLangBackend(target.path, tokenizer, regen, config.target.dtype),  # SGLang knows auto too
         }[regen.backend]()

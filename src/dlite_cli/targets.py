@@ -136,10 +136,17 @@ def _builder(prepared: PreparedTarget, device):
 
 def target_dtype(build, device, work: Work, target: str, log=print) -> str:
     """What ``target.dtype: auto`` means for ``work``: bfloat16 on a GPU; on a CPU float32 or bfloat16, whichever
-    does the work faster here (:func:`work_ms`), measured once per machine.  ``build(dtype)`` makes the model."""
+    does the work clearly faster here (:func:`work_ms`, precision.py).  ``build(dtype)`` makes the model."""
     what = (f"a pass over {work.batch} rows (1 token each, {BATCHED_CONTEXT} of context)" if work.kind == "batched"
             else f"a decode step + a {work.draft_tokens + 1}-token verify (batch 1, {COST_CONTEXT} of context)")
-    options = {name: lambda name=name: work_ms(build(name), work) for name in ("float32", "bfloat16")}
+    models = {}  # each built once: the options are timed in several interleaved rounds
+
+    def timed(name: str) -> float:
+        if name not in models:
+            models[name] = build(name)
+        return work_ms(models[name], work)
+
+    options = {name: lambda name=name: timed(name) for name in ("float32", "bfloat16")}
     key = {"target": target, **dataclasses.asdict(work), "kernels": KERNELS}
     return decide(f"target.dtype ({work.kind})", key, options, what, device, log)
 

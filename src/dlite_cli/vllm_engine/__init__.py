@@ -106,6 +106,9 @@ def check_version(version: str) -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: hook vLLM so that a DLite directory drafts (see the module's docstring).
     Under another vLLM version only the refusal is hooked: a DLite drafter named to it is refused in one sentence."""
+    from ..devices import check_torch_extensions
+
+    check_torch_extensions()
     import vllm
     from vllm.config import speculative
 
