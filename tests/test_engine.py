@@ -219,6 +219,26 @@ def test_a_next_turn_reuses_the_slots_cache_and_decodes_the_same(micro, prompts,
     assert fresh.stats.reused_prompt_tokens == 0
 
 
+def test_a_history_drafters_next_turn_reuses_the_prompts_features(micro, drafter_dirs, prompts):
+    """A history drafter needs the features of every prompt position: the slot keeps those of turn 1's prompt,
+    so turn 2 computes only the rest, and drafts and decodes as from a fresh prefill."""
+    model, _ = micro
+
+    def teacher_engine():
+        return make_engine(micro, load_proposer(str(drafter_dirs["teacher"]), None, model, capacity=1024, dtype="float32"), slots=1)
+
+    engine = teacher_engine()
+    (first,) = engine.run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
+    follow_up = first.prompt_ids + first.output_ids + prompts[0]
+    (reusing,) = engine.run([Request(follow_up, SamplingParams(max_new_tokens=NEW_TOKENS))])
+    (fresh,) = teacher_engine().run([Request(follow_up, SamplingParams(max_new_tokens=NEW_TOKENS))])
+    assert reusing.stats.reused_prompt_tokens == len(first.prompt_ids) and fresh.stats.reused_prompt_tokens == 0
+    assert reusing.output_ids == fresh.output_ids
+    assert reusing.stats.accepted == fresh.stats.accepted  # the same drafts: drafted from the same history
+    kept, computed = engine.runner.features[0], teacher_engine().runner.prefill(0, follow_up, all_features=True)[1]
+    assert kept.shape == computed.shape and torch.allclose(kept, computed, atol=1e-5)
+
+
 def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_dirs, prompts, reference):
     """The teacher's draft KV cache, grown round by round, equals its keys/values computed at once, and holds
     about what the row needs, not the engine's capacity."""

@@ -312,10 +312,11 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
     drafter_bytes = sum(t.numel() * (draft_dtype.itemsize if t.is_floating_point() else t.element_size())
                         for d in drafters for t in [*d.parameters(), *d.buffers()])
     per_token = kv_bytes_per_token(arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, dtype)
-    if history_drafter:
+    if history_drafter:  # its draft KV, and the target's features the runner keeps for the next turn
         per_token += kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, draft_dtype)
+        per_token += len(spec.target_layer_ids) * spec.hidden_size * dtype.itemsize
     parts = {"target weights": module_bytes(target).live, "drafter weights": drafter_bytes,
-             "KV caches" + (" (target + draft)" if history_drafter else ""): (slots * tokens + single_row_tokens) * per_token}
+             "KV caches" + (" (target + draft) and features" if history_drafter else ""): (slots * tokens + single_row_tokens) * per_token}
     if packed_bytes(target, device_type):
         parts["packed target weights (oneDNN)"] = packed_bytes(target, device_type)
     width = max(config.drafter.draft_tokens + 1, pass_width(config.drafter.draft_tokens, dtype))

@@ -4,6 +4,9 @@ weights with a KV cache in which every row (slot) has its own length.
     keys[l], values[l]   (slots, kv_heads, allocated, head_dim) per target layer l; allocated grows
                          by doubling up to ``capacity``, the longest sequence the runner accepts
     cached[slot]         the token ids whose keys/values that slot holds
+    features[slot]       (n, S, H): the drafter's layers at the slot's first n positions, n <= its length,
+                         kept from prefills that return every position's (a history drafter's), so that
+                         the next turn of a conversation computes only its new tokens there too
 
 ``verify(slots, tokens)`` runs ``tokens`` (B, Q) after each slot's held tokens and returns logits
 and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then records which of them the
@@ -79,6 +82,7 @@ class TargetRunner:
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
+        self.features: list[torch.Tensor | None] = [None] * slots  # (n, S, H) at each slot's first n positions
         self.reach = [0] * slots  # the most tokens each slot's request may come to hold (0: unknown)
         self.graphs = CudaGraphs(enabled=path == "graphs")
         self._verify_costs: list[float] = []
@@ -100,6 +104,8 @@ class TargetRunner:
     def truncate(self, slot: int, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` tokens."""
         del self.cached[slot][length:]
+        if self.features[slot] is not None:
+            self.features[slot] = self.features[slot][:length]
 
     def commit(self, slot: int, tokens: list[int]) -> None:
         """``slot`` keeps ``tokens``, the first of those the last pass ran after its held tokens."""
@@ -112,26 +118,32 @@ class TargetRunner:
 
         The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
         a shared system prompt) is kept and only the rest is computed, in chunks (eagerly, on every
-        path) — unless every position's features are needed.  ``reach``: the most tokens the request may
-        come to hold (prompt, token budget, a last draft), which the static path sizes its passes by."""
+        path); where every position's features are needed, the prefix whose features the slot kept.
+        ``reach``: the most tokens the request may come to hold (prompt, token budget, a last draft),
+        which the static path sizes its passes by."""
         self.reach[slot] = reach
+        held, kept = self.cached[slot], self.features[slot]
+        reusable = min(len(held), len(prompt) - 1)
+        if all_features:
+            reusable = min(reusable, 0 if kept is None else len(kept))
         reused = 0
-        if not all_features:
-            held = self.cached[slot]
-            while reused < min(len(held), len(prompt) - 1) and held[reused] == prompt[reused]:
-                reused += 1
-            if self.keys[0].dtype != torch.float32:
-                # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
-                # which lower precisions need for the same result (their matmuls round by shape)
-                reused -= reused % self.prefill_chunk
+        while reused < reusable and held[reused] == prompt[reused]:
+            reused += 1
+        if self.keys[0].dtype != torch.float32:
+            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
+            # which lower precisions need for the same result (their matmuls round by shape)
+            reused -= reused % self.prefill_chunk
         self.truncate(slot, reused)
-        features = []
+        features = [self.features[slot]] if all_features and reused else []
         for start in range(reused, len(prompt), self.prefill_chunk):
             chunk = prompt[start : start + self.prefill_chunk]
             logits, chunk_features = self.forward([slot], torch.tensor([chunk], device=self.device), logits_at_last=True, features_at_last=not all_features)
             self.commit(slot, chunk)
             features.append(chunk_features[0])
-        return logits[0, -1], torch.cat(features) if all_features else features[-1], reused
+        if not all_features:
+            return logits[0, -1], features[-1], reused
+        self.features[slot] = torch.cat(features)
+        return logits[0, -1], self.features[slot], reused
 
     def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
