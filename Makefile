@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	# vLLM pulls these from PyPI built for another torch: they break `import torch.library`, and text models never use them
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# suffix decoding's trees (methods suffix, NAME+suffix, vllm:suffix): PyPI has arctic-inference as source only, and its
+	# isolated build pins a torch of its own; built against this torch, cmake finding this venv's python and nanobind
+	$(BIN)/python -m pip install -q nanobind==2.9.2 cmake ninja
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	touch $(STAMP)
 
 # Every stage resumes: run it again after an interruption and it continues where it stopped.

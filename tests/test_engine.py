@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 import time
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from conftest import DEVICE
 from dlite_cli import engine as engine_module
 from dlite_cli.adaptive import VerifyCosts
-from dlite_cli.config import DrafterConfig, TargetConfig
-from dlite_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, load_proposer
+from dlite_cli.config import DrafterConfig, SuffixConfig, TargetConfig
+from dlite_cli.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter, load_proposer, split_lookup
 from dlite_cli.errors import DliteError
 from dlite_cli.engine import Engine, Request, SamplingParams, probabilities
 from dlite_cli.model import FULL_HISTORY, Drafter, DrafterSpec
@@ -103,13 +104,14 @@ def proposer_for(name, micro, drafter_dirs, prompts, reference):
     model, _ = micro
     if name == "oracle":
         return OracleDrafter(prompts, reference)
-    if name in drafter_dirs:
-        return load_proposer(str(drafter_dirs[name]), None, model, capacity=1024, dtype="float32")
+    base, lookup = split_lookup(name)
+    if base in drafter_dirs:
+        return load_proposer(str(drafter_dirs[base]) + name[len(base) :], None, model, capacity=1024, dtype="float32")
     return load_proposer(name, None, model, capacity=1024, ngram_tokens=K)
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
-@pytest.mark.parametrize("name", ["none", "ngram", "dlite", "parallel", "teacher", "window3", "vocab128", "oracle"])
+@pytest.mark.parametrize("name", ["none", "ngram", "suffix", "dlite", "parallel", "teacher", "window3", "vocab128", "oracle", "dlite+suffix"])
 def test_greedy_output_is_the_targets_own_batched_and_alone(name, path, micro, drafter_dirs, prompts, reference):
     """Three mixed-length prompts through two slots (the third joins when a row leaves; on the static
     path the bucket of two then pads the slot that is free), then each alone."""
@@ -155,13 +157,11 @@ def test_static_path_pads_rows_to_buckets_and_decodes_the_same(micro, prompts, r
     assert {width for _, width, _ in passes} == {K + 1}
 
 
-@pytest.mark.parametrize("name", ["ngram", "dlite", "teacher", "vocab128", "dlite+ngram"])
+@pytest.mark.parametrize("name", ["ngram", "suffix", "dlite", "teacher", "vocab128", "dlite+ngram", "dlite+suffix"])
 def test_adaptive_proposals_are_cut_and_skipped_and_the_output_stays_the_targets(name, micro, drafter_dirs, prompts, reference):
     """Each token added to a pass costs a third of a step here, so the random drafters' proposals are cut
     short and rows are left undrafted; the greedy output is the target's own all the same."""
-    base = name.removesuffix("+ngram")
-    drafter = "ngram" if name == "ngram" else str(drafter_dirs[base]) + name[len(base) :]
-    proposer = load_proposer(drafter, None, micro[0], capacity=1024, ngram_tokens=K, dtype="float32")
+    proposer = proposer_for(name, micro, drafter_dirs, prompts, reference)
     engine = make_engine(micro, proposer)
     proposer.adapt(VerifyCosts([30.0, 40.0, 50.0, 60.0, 70.0]))
     budgets = [NEW_TOKENS, NEW_TOKENS - 7, NEW_TOKENS]
@@ -171,20 +171,40 @@ def test_adaptive_proposals_are_cut_and_skipped_and_the_output_stays_the_targets
         assert request.output_ids == expected[:budget]
     stats = engine.stats
     assert sum(stats.proposed) < K * stats.rounds and stats.proposed[0] < stats.rounds  # cut, and rounds with nothing proposed
-    if name != "ngram":
-        assert proposer.draft_ms > 0 if name != "dlite+ngram" else proposer.model.draft_ms > 0
+    if name not in ("ngram", "suffix"):
+        assert proposer.draft_ms > 0 if not split_lookup(name)[1] else proposer.model.draft_ms > 0
 
 
-def test_the_hybrid_takes_the_lookup_where_the_text_repeats_and_the_model_elsewhere(micro, drafter_dirs, prompts):
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_the_hybrid_takes_the_lookup_where_the_text_repeats_and_the_model_elsewhere(lookup, micro, drafter_dirs, prompts):
     model, _ = micro
-    proposer = load_proposer(str(drafter_dirs["dlite"]) + "+ngram", None, model, capacity=1024, dtype="float32")
+    proposer = load_proposer(str(drafter_dirs["dlite"]) + "+" + lookup, None, model, capacity=1024, dtype="float32")
     repeated = prompts[1][:20] * 3  # the target continues a repetition it has seen: lookup proposals get accepted
     engine = make_engine(micro, proposer)
     (request,) = engine.run([Request(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))])
     (plain,) = make_engine(micro, NoDrafter()).run([Request(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))])
     assert request.output_ids == plain.output_ids
-    assert proposer.name == f"{drafter_dirs['dlite'].name}+ngram" and proposer.kv_bytes(request) == 0
+    assert proposer.name == f"{drafter_dirs['dlite'].name}+{lookup}" and proposer.kv_bytes(request) == 0
     assert proposer.lookup.calibration.counts and proposer.model.calibration.counts == {}  # the lookup proposed; non-adaptive DLite records no bins
+
+
+@pytest.mark.parametrize("cached", [10, 0])
+def test_suffix_decoding_copies_an_earlier_requests_response_from_its_global_tree(cached, micro, prompts, reference):
+    """The same prompt twice, one request after the other: the second's proposals come from the first's response,
+    kept in the global tree (none kept: the second proposes no more than the first); the text is the target's."""
+    proposer = SuffixDrafter(K, SuffixConfig(max_cached_requests=cached))
+    engine = make_engine(micro, proposer, slots=1)
+    first, second = (engine.run([Request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS))])[0] for _ in range(2))
+    assert first.output_ids == second.output_ids == reference[0]
+    assert (second.stats.rounds < first.stats.rounds) == (cached > 0) and second.stats.rounds <= first.stats.rounds
+    assert list(proposer.cache.cached_requests) == ([0, 1] if cached else []) and not proposer.cache.active_requests
+
+
+def test_suffix_decoding_without_arctic_inference_says_how_to_install_it(micro, monkeypatch):
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)  # the import fails as it does where it is not installed
+    with pytest.raises(DliteError, match=r"arctic-inference.*--no-build-isolation --no-deps arctic-inference==0\.3\.0") as error:
+        load_proposer("suffix", None, micro[0], capacity=1024)
+    assert "\n" not in str(error.value)
 
 
 def test_rollback_leaves_the_cache_of_the_accepted_tokens_alone(micro, prompts, reference):
@@ -365,14 +385,17 @@ def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
 
 def sampled_positions(micro, prompt, params, count, path="eager", vocabulary=None, how="fixed"):
     """``how``: fixed (K every round), adaptive (cut where the next token does not pay, rows skipped)
-    or hybrid (prompt lookup where it is expected to do better, the self-drafter elsewhere)."""
+    or hybrid (prompt lookup where it is expected to do better, the self-drafter elsewhere); suffix: suffix decoding
+    alone, hybrid-suffix paired with the self-drafter."""
     model, _ = micro
     # adaptive and hybrid rounds mix drafted rows with certain ones: in bfloat16, as a drafter on a GPU drafts
     drafter = SelfDrafter(model, vocabulary, torch.float32 if how == "fixed" else torch.bfloat16)
-    if how == "hybrid":
-        drafter = HybridDrafter(drafter, NgramDrafter(2), model.config.vocab_size)
+    if how in ("hybrid", "hybrid-suffix"):
+        drafter = HybridDrafter(drafter, NgramDrafter(2) if how == "hybrid" else SuffixDrafter(2, SuffixConfig()), model.config.vocab_size)
+    if how == "suffix":  # proposals from the earlier samples' responses in the global tree
+        drafter = SuffixDrafter(2, SuffixConfig())
     slots = 16
-    if how != "fixed":  # two rows a pass, where a token costs a tenth of a step: some rows are skipped, some cut
+    if how not in ("fixed", "suffix"):  # two rows a pass, where a token costs a tenth of a step: some rows are skipped, some cut
         slots = 2
         drafter.adapt(VerifyCosts([3000.0, 3300.0, 3600.0]))
     engine = make_engine(micro, drafter, slots=slots, path=path)
@@ -392,7 +415,8 @@ def test_speculative_sampling_matches_the_targets_distribution_and_a_broken_rule
     likely = torch.stack(expected).topk(3, dim=-1).indices
     vocabulary = torch.cat([likely[:, 0], torch.arange(300, 400)]).unique()
     for path, vocabulary, how in (("eager", None, "fixed"), ("static", None, "fixed"), ("eager", vocabulary, "fixed"),
-                                  ("eager", None, "adaptive"), ("eager", None, "hybrid")):
+                                  ("eager", None, "adaptive"), ("eager", None, "hybrid"), ("eager", None, "suffix"),
+                                  ("eager", None, "hybrid-suffix")):
         samples = sampled_positions(micro, prompts[0], params, 600, path, vocabulary, how)
         assert all(chi_square_passes(s, e) for s, e in zip(samples, expected)), (path, how)
     # the classic bug: after a rejection, resample from p instead of the residual max(p − q, 0)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dlite_cli.bench import plan_from
-from dlite_cli.config import BenchConfig, DrafterConfig, MicroConfig, TargetConfig
+from dlite_cli.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig
 from dlite_cli.drafters import load_proposer
 from dlite_cli.engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from dlite_cli.errors import DliteError
@@ -204,6 +204,10 @@ def test_refusals(llm, micro, drafter_dir, tmp_path):
     with pytest.raises(DliteError, match="keeps a draft history"):
         resolve(str(tmp_path / "teacher"), tmp_path, K, model.config)
     assert resolve(f"{drafter_dir}+ngram:fixed", tmp_path, K, model.config) == (drafter_dir, {"model": f"{drafter_dir}+ngram:fixed"})
+    with pytest.raises(DliteError, match=r"pairs DLite with prompt lookup \(\+ngram\) only"):
+        resolve(f"{drafter_dir}+suffix", tmp_path, K, model.config)
+    _, suffix = resolve("suffix", tmp_path, K, model.config, SuffixConfig(max_cached_requests=0))
+    assert suffix["method"] == "suffix" and suffix["suffix_decoding_max_cached_requests"] == 0 and suffix["num_speculative_tokens"] == K
     # a drafter of another target (a wider vocabulary), named to vLLM itself
     other = json.loads((drafter_dir / "config.json").read_text())
     (tmp_path / "other").mkdir()

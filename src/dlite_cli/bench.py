@@ -35,9 +35,9 @@ from pathlib import Path
 
 
 from .artifacts import Stage, atomic_path, atomic_write_json, atomic_write_text, fingerprint_dir, read_json
-from .config import BenchConfig, Config, config_hash
+from .config import BenchConfig, Config, SuffixConfig, config_hash
 from .devices import hardware, resolve_device
-from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed
+from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed, split_lookup
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .graphs import CAPTURES
@@ -56,6 +56,12 @@ METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain a
 # taken against the faster of the two, greedy texts compared with "ar", which computes what the others do.
 FASTEST_AR = "ar:fastest"
 THROUGHPUT_WORKLOADS = ("humaneval", "sharegpt", "mt_bench")  # the first available one feeds the concurrency sweep
+
+
+def episode_suffix(settings: SuffixConfig) -> SuffixConfig:
+    """Suffix decoding as the bench measures it: each episode on its own tokens (its prompt trees; no global tree of
+    earlier episodes' responses), so that a measurement does not depend on what this process measured before it."""
+    return dataclasses.replace(settings, max_cached_requests=0)
 
 
 @dataclasses.dataclass
@@ -204,8 +210,11 @@ class Bench:
             name = METHOD_NAMES.get(method, method)
             base = split_fixed(name)[0]
             try:
-                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log)
-                if base in ("none", "ngram"):
+                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log,
+                                                 episode_suffix(self.config.suffix))
+                if "suffix" in (base, split_lookup(base)[1]):  # its settings are part of what was measured
+                    self.engine_keys[method] = {"suffix": dataclasses.asdict(episode_suffix(self.config.suffix))}
+                if base in ("none", "ngram", "suffix"):
                     self.drafters[method] = self.fingerprints[method] = name
                     self.origins[method] = "no checkpoint"
                 else:
@@ -236,7 +245,8 @@ class Bench:
         """A vLLM engine for ``vllm:NAME`` (vllm_engine), keyed also by vLLM's version and settings."""
         from .vllm_engine.engine import VllmEngine, resolve
 
-        directory, spec = resolve(method.removeprefix(VLLM_PREFIX), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config)
+        directory, spec = resolve(method.removeprefix(VLLM_PREFIX), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config,
+                                  episode_suffix(self.config.suffix))
         try:
             engine = VllmEngine(prepare_target(self.config.target, self.log).path, spec, self.config.vllm, str(model.dtype).removeprefix("torch."), self.log)
         except (RuntimeError, ValueError) as e:  # vLLM's own, from its engine process: the cause is in the log above
@@ -246,6 +256,8 @@ class Bench:
         self.fingerprints[method] = fingerprint_dir(directory) if directory else self.drafters[method]
         self.origins[method] = drafter_origin(directory) if directory else "no checkpoint"
         self.engine_keys[method] = {"engine": engine.version, "vllm": dataclasses.asdict(self.config.vllm)}
+        if spec and spec.get("method") == "suffix":
+            self.engine_keys[method]["suffix"] = dataclasses.asdict(episode_suffix(self.config.suffix))
 
     def _report(self, results: list[dict], throughput: list[dict], unavailable: dict) -> None:
         """The plan's tables and plots in its folder, and copied to the top of the bench folder (the latest plan)."""

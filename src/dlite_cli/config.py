@@ -203,6 +203,17 @@ class DecodeConfig:
 
 
 @dataclass
+class SuffixConfig:
+    """Suffix decoding (methods ``suffix`` and ``NAME+suffix``): arctic-inference's trees, with vLLM's defaults."""
+
+    max_tree_depth: int = positive(24)  # the longest match and continuation the trees hold
+    # responses kept in the global tree across requests, the oldest evicted first; 0 keeps none (prompt trees only)
+    max_cached_requests: int = non_negative(10_000)
+    max_spec_factor: float = 1.0  # a proposal is at most this times the match's length long
+    min_token_prob: float = _checked(0.1, check=lambda v: 0.0 <= v <= 1.0, says="be in [0, 1]")
+
+
+@dataclass
 class VllmConfig:
     """vLLM as the engine (``dlite bench`` methods ``vllm:…``, ``dlite serve --engine vllm``; the ``vllm`` extra)."""
 
@@ -255,6 +266,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
     name: str = ""  # defaults to the file's stem; names the run directory

@@ -14,11 +14,12 @@ plain steps; without, every row gets K.
 
 ``row`` is the engine's Request: ``slot``, ``tokens`` (committed ids, the anchor last), ``pivot``
 (S, H) target features at the position before the anchor, ``anchor`` and ``position`` (its
-absolute position).  Methods: ``none`` (autoregressive), ``ngram`` (prompt lookup), ``dlite`` and
+absolute position).  Methods: ``none`` (autoregressive), ``ngram`` (prompt lookup), ``suffix`` (suffix
+decoding over the prompt and earlier responses), ``dlite`` and
 ``parallel`` (W = 0 checkpoints, with or without the sequential head), ``history`` (W ≠ 0: the
 teacher or a sliding-window drafter, which must keep a KV cache over the history — the cost
-DLite removes), and ``dlite+ngram`` (prompt lookup where it is expected to beat DLite, DLite
-elsewhere; neither keeps a draft KV cache).
+DLite removes), and ``dlite+ngram`` / ``dlite+suffix`` (the copy where it is expected to beat DLite,
+DLite elsewhere; neither keeps a draft KV cache).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
+from .config import SuffixConfig
 from .devices import median_ms
 from .errors import DliteError
 from .graphs import BUCKETS, CudaGraphs, bucket_for
@@ -47,7 +49,10 @@ NGRAM_SIZES = (3, 2, 1)  # prompt lookup tries the longest suffix first
 LOOKUP_PRIOR = {3: 0.6, 2: 0.4, 1: 0.2}  # a lookup proposal's chance of acceptance by match length, before any is seen
 CONFIDENCE_BINS = 20  # a model drafter's probabilities are calibrated per bin of this width (1/20)
 HYBRID_SUFFIX = "+ngram"
+SUFFIX_HYBRID = "+suffix"  # DLite paired with suffix decoding instead of prompt lookup
 FIXED_SUFFIX = ":fixed"
+ARCTIC_INSTALL = ("pip install nanobind==2.9.2 cmake ninja, then, with the environment's bin first on PATH, "
+                  "pip install --no-build-isolation --no-deps arctic-inference==0.3.0 (make install does both)")
 
 
 @dataclass
@@ -89,16 +94,15 @@ class NoDrafter:
         return 0
 
 
-class NgramDrafter(NoDrafter):
-    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
-    the K tokens that followed it.  Training-free; strong when outputs copy from the context.  Its
-    chance of acceptance is learnt per match length and position."""
+class LookupDrafter(NoDrafter):
+    """A drafter that copies: each round a row's ``candidate`` continuation, found in token ids alone, with a
+    calibration key per token, of which as much is proposed as is expected to pay.  Its proposals are
+    deterministic (q is one-hot), so sampling stays exact."""
 
-    name, needs_all_features = "ngram", False
+    needs_all_features = False
 
-    def __init__(self, draft_tokens: int):
-        self.draft_tokens = draft_tokens
-        self.calibration = Calibration(prior=lambda key: LOOKUP_PRIOR[key[0]])  # key: (match length, position)
+    def __init__(self, draft_tokens: int, calibration: Calibration):
+        self.draft_tokens, self.calibration = draft_tokens, calibration
         self.proposed: dict[int, Candidate] = {}  # slot → this round's candidate
 
     def propose(self, rows, pick) -> Draft:
@@ -111,13 +115,15 @@ class NgramDrafter(NoDrafter):
         return Draft(tokens, [c.proposed for c in candidates], None)
 
     def candidate(self, row, batch: int = 1) -> Candidate:
-        """The lookup's continuation for ``row``, of which the part worth proposing in a round over ``batch`` rows
-        is proposed."""
-        continuation, n = self._lookup(torch.tensor(row.tokens))
-        keys = [(n, i) for i in range(len(continuation))]
+        """The continuation for ``row``, of which the part worth proposing in a round over ``batch`` rows is proposed."""
+        continuation, keys = self.continuation(row)
         accept = [self.calibration.estimate(k) for k in keys]
         proposed = len(keys) if self.costs is None else self.costs.at(batch).best_length([accept], 0.0)
-        return Candidate(continuation.tolist(), keys, proposed)
+        return Candidate(continuation, keys, proposed)
+
+    def continuation(self, row) -> tuple[list[int], list]:
+        """Up to K token ids that may follow ``row``'s tokens, and the calibration key of each."""
+        raise NotImplementedError
 
     def expected_gain(self, candidate: Candidate) -> float:
         """Expected accepted tokens of the candidate's proposal."""
@@ -131,6 +137,21 @@ class NgramDrafter(NoDrafter):
         if row.slot in self.proposed:
             self.calibration.observe_round(self.proposed.pop(row.slot), accepted, next_token)
 
+
+class NgramDrafter(LookupDrafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose
+    the K tokens that followed it.  Training-free; strong when outputs copy from the context.  Its
+    chance of acceptance is learnt per match length and position."""
+
+    name = "ngram"
+
+    def __init__(self, draft_tokens: int):
+        super().__init__(draft_tokens, Calibration(prior=lambda key: LOOKUP_PRIOR[key[0]]))  # key: (match length, position)
+
+    def continuation(self, row) -> tuple[list[int], list]:
+        continuation, n = self._lookup(torch.tensor(row.tokens))
+        return continuation.tolist(), [(n, i) for i in range(len(continuation))]
+
     def _lookup(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The continuation after the latest earlier match of the longest suffix that has one, and its length n."""
         for n in NGRAM_SIZES:
@@ -142,6 +163,57 @@ class NgramDrafter(NoDrafter):
                 start = int(hits[-1]) + n
                 return tokens[start : start + self.draft_tokens], n
         return tokens[:0], 0
+
+
+class SuffixDrafter(LookupDrafter):
+    """Suffix decoding (SuffixDecoding; arctic-inference's cache, as vLLM's ``suffix`` method uses it): a suffix tree
+    over each row's prompt and response, and a global one over the responses this drafter has produced before, at
+    most ``settings.max_cached_requests`` of them (the oldest go first).  Each round it proposes the likeliest
+    continuation of the longest match, with the tree's estimate of each token's probability; the chance of
+    acceptance is learnt per bin of that estimate (the step's, given the tokens before it)."""
+
+    name = "suffix"
+
+    def __init__(self, draft_tokens: int, settings: SuffixConfig):
+        super().__init__(draft_tokens, Calibration(prior=lambda key: (key + 0.5) / CONFIDENCE_BINS))  # key: the estimate's bin
+        self.settings = settings
+        self.cache = suffix_cache(settings)
+        self.requests: dict[int, list[int]] = {}  # slot → [the cache's id for its request, response tokens added so far]
+        self.started = 0  # requests begun: each gets the next id
+
+    def begin(self, row, prompt_features) -> None:
+        self.cache.start_request(self.started, row.prompt_ids)
+        self.requests[row.slot] = [self.started, 0]
+        self.started += 1
+
+    def continuation(self, row) -> tuple[list[int], list]:
+        request = self._caught_up(row)
+        settings = self.settings
+        draft = self.cache.speculate(request, row.tokens[-settings.max_tree_depth :], self.draft_tokens, settings.max_spec_factor,
+                                     0.0, settings.min_token_prob)
+        steps = [p / q for p, q in zip(draft.probs, [1.0] + draft.probs[:-1])]  # the tree gives each path's probability
+        return list(draft.token_ids), [min(int(step * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for step in steps]
+
+    def end(self, row) -> None:
+        self.cache.stop_request(self._caught_up(row))  # its response stays in the global tree
+        del self.requests[row.slot]
+
+    def _caught_up(self, row) -> int:
+        """The cache's id for ``row``'s request, once the response tokens committed since the last round are in its trees."""
+        request, added = self.requests[row.slot]
+        if len(row.output_ids) > added:
+            self.cache.add_active_response(request, row.output_ids[added:])
+            self.requests[row.slot][1] = len(row.output_ids)
+        return request
+
+
+def suffix_cache(settings: SuffixConfig):
+    """arctic-inference's suffix-decoding cache, or one sentence on how to install it."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError:
+        raise DliteError(f"suffix decoding needs arctic-inference, which PyPI has as source only: {ARCTIC_INSTALL}") from None
+    return SuffixDecodingCache(settings.max_tree_depth, settings.max_cached_requests)
 
 
 class ModelDrafter(NoDrafter):
@@ -263,17 +335,17 @@ class DLiteAdapter(ModelDrafter):
 
 
 class HybridDrafter(NoDrafter):
-    """``dlite+ngram``: per row and round, prompt lookup's continuation when it is expected to commit tokens
-    at least as fast as the model drafter's recent rounds for that row did (adaptive: per ms, the model's
-    round paying its draft and its wider verify; fixed: per round), the model's block otherwise.
-    Lookup reads the token ids the engine holds and DLite keeps no history, so the hybrid holds no draft
-    KV cache either; rows that take the lookup cost the model nothing."""
+    """``dlite+ngram`` and ``dlite+suffix``: per row and round, the copying drafter's continuation (prompt lookup's or
+    suffix decoding's) when it is expected to commit tokens at least as fast as the model drafter's recent rounds for
+    that row did (adaptive: per ms, the model's round paying its draft and its wider verify; fixed: per round), the
+    model's block otherwise.  Copying reads the token ids the engine holds and DLite keeps no history, so the hybrid
+    holds no draft KV cache either; rows that take the copy cost the model nothing."""
 
     needs_all_features = False
 
-    def __init__(self, model: ModelDrafter, lookup: NgramDrafter, vocab_size: int):
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, vocab_size: int):
         self.model, self.lookup, self.vocab_size = model, lookup, vocab_size
-        self.name = f"{model.name}{HYBRID_SUFFIX}"
+        self.name = f"{model.name}+{lookup.name}"
         self.draft_tokens, self.target_layers = model.draft_tokens, model.target_layers
 
     def adapt(self, costs: VerifyCosts) -> None:
@@ -320,8 +392,13 @@ class HybridDrafter(NoDrafter):
         self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
         self.model.observe(row, accepted, next_token)
 
+    def begin(self, row, prompt_features) -> None:
+        self.model.begin(row, prompt_features)
+        self.lookup.begin(row, prompt_features)
+
     def end(self, row) -> None:
         self.model.end(row)
+        self.lookup.end(row)
 
 
 def widen(candidates: list[Candidate], width: int) -> None:
@@ -449,10 +526,18 @@ def split_fixed(name: str) -> tuple[str, bool]:
     return (name.removesuffix(FIXED_SUFFIX), False) if name.endswith(FIXED_SUFFIX) else (name, True)
 
 
+def split_lookup(name: str) -> tuple[str, str]:
+    """``NAME+ngram`` / ``NAME+suffix`` → (NAME, the copying drafter it is paired with); ``NAME`` → (NAME, "")."""
+    for pairing in (HYBRID_SUFFIX, SUFFIX_HYBRID):
+        if name.endswith(pairing):
+            return name.removesuffix(pairing), pairing.removeprefix("+")
+    return name, ""
+
+
 def resolve_drafter_path(name: str, run_dir: Path) -> Path:
     """``dlite``/``history``/``parallel``/``scratch`` → the run directory's export; a hub id → its local snapshot;
     anything else is a path (a dlite export, or a checkpoint in the public release's format)."""
-    name = name.removesuffix(HYBRID_SUFFIX)
+    name = split_lookup(name)[0]
     if name in STAGE_OF:
         path = Path(run_dir) / STAGE_OF[name] / "drafter"
         if not (path / "config.json").is_file():
@@ -465,8 +550,8 @@ def resolve_drafter_path(name: str, run_dir: Path) -> Path:
         return Path(from_hub(lambda repo, **only: snapshot_download(repo, **only), name, f"the drafter {name}", local))
     path = Path(name)
     if not path.is_dir():
-        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, {', '.join(STAGE_OF)}, a drafter directory or a hub id "
-                         f"(any of the last three may end in {HYBRID_SUFFIX} or {FIXED_SUFFIX})")
+        raise DliteError(f"unknown drafter {name!r}: expected none, ngram, suffix, {', '.join(STAGE_OF)}, a drafter directory or a hub id "
+                         f"(any of the last three may end in {HYBRID_SUFFIX}, {SUFFIX_HYBRID} or {FIXED_SUFFIX})")
     return path
 
 
@@ -479,24 +564,26 @@ def drafter_origin(directory: Path) -> str:
 
 
 def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_tokens: int = 7, dtype: str = "float32", path: str = "eager",
-                  log=print):
-    """The drafter adapter for ``name`` (see resolve_drafter_path; ``NAME+ngram`` is the hybrid of that
-    drafter and prompt lookup), fitted to ``target_model``, run in ``dtype`` (or auto: :func:`draft_dtype`) on
-    the target's device; ``path`` graphs captures DLite's rounds as CUDA graphs."""
+                  log=print, suffix: SuffixConfig | None = None):
+    """The drafter adapter for ``name`` (see resolve_drafter_path; ``NAME+ngram`` / ``NAME+suffix`` is the hybrid of
+    that drafter and prompt lookup / suffix decoding, with ``suffix``'s settings), fitted to ``target_model``, run in
+    ``dtype`` (or auto: :func:`draft_dtype`) on the target's device; ``path`` graphs captures DLite's rounds as CUDA
+    graphs."""
     name, _ = split_fixed(name)
+    copying = {"ngram": lambda k: NgramDrafter(k), "suffix": lambda k: SuffixDrafter(k, suffix or SuffixConfig())}
     if name == "none":
         return NoDrafter()
-    if name == "ngram":
-        return NgramDrafter(ngram_tokens)
+    if name in copying:
+        return copying[name](ngram_tokens)
+    base, lookup = split_lookup(name)
     directory = resolve_drafter_path(name, run_dir)
     drafter = Drafter.load(directory, target_model.config).eval().to(next(target_model.parameters()).device)
     embed = target_model.get_input_embeddings()
     drafter.to(dtype=getattr(torch, draft_dtype(dtype, drafter, embed, log)))
-    base = name.removesuffix(HYBRID_SUFFIX)
     label = base if base in STAGE_OF else directory.name
     if drafter.spec.history_window != 0:
-        if name.endswith(HYBRID_SUFFIX):
-            raise DliteError(f"{name}: prompt lookup pairs with a history-free drafter, and {directory} keeps a draft history (W ≠ 0)")
+        if lookup:
+            raise DliteError(f"{name}: {lookup} pairs with a history-free drafter, and {directory} keeps a draft history (W ≠ 0)")
         return HistoryAdapter(drafter, embed, label, capacity)
     model = DLiteAdapter(drafter, embed, label, graphs=path == "graphs")
-    return HybridDrafter(model, NgramDrafter(model.draft_tokens), drafter.spec.vocab_size) if name.endswith(HYBRID_SUFFIX) else model
+    return HybridDrafter(model, copying[lookup](model.draft_tokens), drafter.spec.vocab_size) if lookup else model

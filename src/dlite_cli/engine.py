@@ -416,7 +416,7 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
                               resolve_device(config.target.device), log)
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype)
-    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log)
+    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
     width = pass_width(proposer.draft_tokens, model.dtype)
     runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]

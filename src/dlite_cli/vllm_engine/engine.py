@@ -17,23 +17,29 @@ import os
 import sys
 from pathlib import Path
 
-from ..drafters import FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed
+from ..drafters import ARCTIC_INSTALL, FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed, split_lookup
 from ..engine import Request, Stats
+from ..config import SuffixConfig
 from ..errors import DliteError
 from . import INSTALL, check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def resolve(name: str, run_dir: Path, draft_tokens: int, target_config) -> tuple[Path | None, dict | None]:
-    """A method (``ar``/``none``, ``ngram``, a drafter as dlite names them: dlite's names, a directory or hub id, maybe with
+def resolve(name: str, run_dir: Path, draft_tokens: int, target_config, suffix=None) -> tuple[Path | None, dict | None]:
+    """A method (``ar``/``none``, ``ngram``, ``suffix`` (vLLM's own suffix decoding, with ``suffix``'s settings), a drafter as dlite names them: dlite's names, a directory or hub id, maybe with
     ``+ngram`` or ``:fixed``) → its checkpoint directory and vLLM's ``speculative_config``; what vLLM cannot run is refused
     in one sentence."""
     if name in ("ar", "none"):
         return None, None
     if name == "ngram":
         return None, {**NGRAM, "num_speculative_tokens": draft_tokens}
+    if name == "suffix":
+        return None, suffix_spec(suffix or SuffixConfig(), draft_tokens)
     base, adaptive = split_fixed(name)
+    if split_lookup(base)[1] == "suffix":
+        raise DliteError(f"{name}: dlite's vLLM plugin pairs DLite with prompt lookup ({HYBRID_SUFFIX}) only; "
+                         "measure it in dlite's engine, beside vLLM's own suffix method (vllm:suffix)")
     directory = resolve_drafter_path(base.removesuffix(HYBRID_SUFFIX), run_dir)
     if is_dlite_drafter(str(directory)):
         checked_spec(str(directory), target_config)
@@ -44,6 +50,17 @@ def resolve(name: str, run_dir: Path, draft_tokens: int, target_config) -> tuple
     architectures = " ".join(json.loads((directory / "config.json").read_text()).get("architectures", [])).lower()
     method = "eagle3" if "eagle3" in architectures else "dflash" if "dflash" in architectures else None
     return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method} if method else {})}
+
+
+def suffix_spec(settings: SuffixConfig, draft_tokens: int) -> dict:
+    """vLLM's ``speculative_config`` for its suffix method, with dlite's settings; arctic-inference must be importable."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        raise DliteError(f"vLLM's suffix method needs arctic-inference, which PyPI has as source only: {ARCTIC_INSTALL}") from None
+    return {"method": "suffix", "num_speculative_tokens": draft_tokens, "suffix_decoding_max_tree_depth": settings.max_tree_depth,
+            "suffix_decoding_max_cached_requests": settings.max_cached_requests, "suffix_decoding_max_spec_factor": settings.max_spec_factor,
+            "suffix_decoding_min_token_prob": settings.min_token_prob}
 
 
 def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
@@ -162,7 +179,7 @@ def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngi
     from ..targets import load_target_config, prepare_target
 
     prepared = prepare_target(config.target, log)
-    _, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared))
+    _, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     return VllmEngine(prepared.path, spec, config.vllm, decoding_dtype(config, log), log)
 
 
@@ -173,7 +190,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
 
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)
-    directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared))
+    directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
                       max_context, max_tokens)
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
