@@ -37,12 +37,12 @@ SetOption = Annotated[
     Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a config value: section.key=value (repeatable).")
 ]
 DrafterOption = Annotated[
-    str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), ngram, none, a drafter directory "
+    str, typer.Option(metavar="NAME", help="dlite, history, parallel, scratch (the run's exports), ngram, suffix, none, a drafter directory "
                            "(dlite's, or the public DLite release's format) or a hub id; "
-                           "NAME+ngram adds prompt lookup, NAME:fixed proposes all K tokens every round.")
+                           "NAME+ngram adds prompt lookup, NAME+suffix suffix decoding, NAME:fixed proposes all K tokens every round.")
 ]
 ForceOption = Annotated[bool, typer.Option("--force", help="Discard a stage made with a different config and redo it.")]
-EngineOption = Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite: decode in vLLM (the vllm extra, with dlite's "
+EngineOption = Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help="auto, vllm or dlite: decode in vLLM (the vllm extra, with dlite's "
                                                      "plugin) or in dlite's own engine; auto takes vLLM where it is installed "
                                                      "(default: decode.engine of the config).")]
 
@@ -230,14 +230,14 @@ def serve(
     run_dir: RunDirOption = None,
     set_: SetOption = None,
     drafter: DrafterOption = "dlite",
-    host: Annotated[str, typer.Option(metavar="HOST", help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(metavar="PORT", min=0, max=65535, help="TCP port.")] = 8000,
+    host: Annotated[str, typer.Option("--host", metavar="HOST", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", metavar="PORT", min=0, max=65535, help="TCP port.")] = 8000,
     max_batch: Annotated[Optional[int], typer.Option(metavar="N", min=1, help="Requests decoded together (default: decode.max_batch).")] = None,
     max_queue: Annotated[int, typer.Option(metavar="N", min=0, help="Requests allowed to wait for a slot; beyond that, 429.")] = 64,
     max_context: Annotated[Optional[int], typer.Option(metavar="N", min=16, help="Longest prompt + completion in tokens (default: the target's).")] = None,
     max_tokens: Annotated[int, typer.Option(metavar="N", min=1, help="Completion tokens of a chat request that names no max_tokens "
                                             "(at most the room its prompt leaves): what its slot reserves KV cache for.")] = DEFAULT_MAX_TOKENS,
-    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config). vllm: "
+    engine: Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config). vllm: "
                                                   "vLLM's OpenAI server drafting with the same drafter (the vllm extra); what differs there: "
                                                   "beyond --max-queue it answers 503 (dlite's: 429), /metrics holds vLLM's own series, and "
                                                   "replies carry no dlite acceptance statistics. auto: vLLM where it is installed and can "
@@ -267,10 +267,11 @@ def bench(
     target: TargetOption = DEFAULT_TARGET,
     run_dir: RunDirOption = None,
     set_: SetOption = None,
-    suite: Annotated[str, typer.Option(metavar="SUITE", help="general, long, agentic or all.")] = "all",
+    suite: Annotated[str, typer.Option("--suite", metavar="SUITE", help="general, long, agentic or all.")] = "all",
     workload: Annotated[Optional[str], typer.Option(metavar="NAME", help="Run only this workload (e.g. gsm8k, swe_bench).")] = None,
-    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated: ar, dlite, history, parallel, scratch, ngram, drafter directories or hub ids; "
-                                               "NAME+ngram pairs a drafter with prompt lookup, NAME:fixed proposes all K every round "
+    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated: ar, dlite, history, parallel, scratch, ngram, suffix, drafter directories or hub ids; "
+                                               "NAME+ngram / NAME+suffix pairs a drafter with prompt lookup / suffix decoding, NAME:fixed proposes all K every round; "
+                                               "vllm:NAME measures NAME in vLLM (vllm:suffix is vLLM's own suffix method) "
                                                "(default: bench.methods of the config, all of these).")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Episodes per workload (default: bench.limit of the config).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Most new tokens per assistant turn (default: bench.max_new_tokens).")] = None,
@@ -278,7 +279,7 @@ def bench(
     concurrency: Annotated[Optional[str], typer.Option(metavar="LIST", help="Concurrency levels for Table 4, comma-separated, '' to skip (default: bench.concurrency).")] = None,
     data: Annotated[Optional[list[str]], typer.Option(metavar="WORKLOAD=PATH", help="Where a workload's data is: a file, a directory or a hub id (repeatable).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure the whole plan again instead of reusing earlier measurements.")] = False,
-    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): where the "
+    engine: Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): where the "
                                                   "methods run; vllm:NAME always runs in vLLM. In vLLM, a history drafter (which vLLM cannot "
                                                   "run) stays in dlite's engine. The config's bench.compare methods also run in the other "
                                                   "engine (in vLLM only where it is installed). auto: vllm where it is installed.")] = None,
@@ -352,7 +353,7 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON instead of the tables.")] = False,
     memory: Annotated[Optional[float], typer.Option(metavar="GB", min=0.001, help="Only print every stage's memory plan for a GPU with this many GB "
                                                     "free, and exit non-zero if one does not fit (nothing is timed).")] = None,
-    engine: Annotated[Optional[str], typer.Option(metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): with vLLM, "
+    engine: Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): with vLLM, "
                                                   "the same passes are also timed inside vLLM, with its host and draft time per step.")] = None,
 ) -> None:
     """Time a decode round and a training step at the target's real shapes, with random weights (no download),
