@@ -1,7 +1,9 @@
 import re
 
 import pytest
+import typer.main
 
+from dlite_cli.cli import app
 from dlite_cli.errors import DliteError
 from dlite_cli import vllm_engine
 
@@ -18,6 +20,17 @@ def test_help_lists_every_command_with_a_purpose(run_cli):
     assert "--limit N" in bench_help and "[default: 0.0; x>=0]" in bench_help and "--data WORKLOAD=PATH" in bench_help
     for command in ("regen", "bench", "generate", "serve", "profile", "status", "run"):
         assert not re.search(r"<(bool|str|int|float|path|list)[^>]*>", run_cli(command, "--help").stdout)
+
+
+def test_every_option_is_spelt_as_its_name_says():
+    # some typer releases (0.27) name an option with no flag of its own after its metavar (--SUITE): each one gives its flag
+    group = typer.main.get_command(app)
+    for name in group.list_commands(typer.Context(group)):
+        for param in group.get_command(typer.Context(group), name).params:
+            if param.param_type_name != "option":
+                continue
+            long = [flag for flag in param.opts if flag.startswith("--")]
+            assert long and all(flag == flag.lower() for flag in long), f"dlite {name}: {param.name} is {param.opts}"
 
 
 def test_prepare_target_prints_the_checkpoint_path(run_cli):

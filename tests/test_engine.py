@@ -257,6 +257,8 @@ def test_a_history_drafters_next_turn_reuses_the_prompts_features(micro, drafter
     assert reusing.stats.accepted == fresh.stats.accepted  # the same drafts: drafted from the same history
     kept, computed = engine.runner.features[0], teacher_engine().runner.prefill(0, follow_up, all_features=True)[1]
     assert kept.shape == computed.shape and torch.allclose(kept, computed, atol=1e-5)
+    single_turn = TargetRunner(model, engine.runner.capture_layers, 1, 1024, keep_features=False)  # the bench's concurrency sweep
+    assert single_turn.prefill(0, follow_up, all_features=True)[1].shape == computed.shape and single_turn.features == [None]
 
 
 def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_dirs, prompts, reference):

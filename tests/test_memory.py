@@ -5,7 +5,7 @@ import torch
 
 from dlite_cli.config import load_config
 from dlite_cli.errors import DliteError
-from dlite_cli.memory import LiveBytes, architecture, decoding_plan, engine_context, most_that_fit, stage_plans, training_plan
+from dlite_cli.memory import LiveBytes, architecture, bench_plan, decoding_plan, engine_context, most_that_fit, stage_plans, training_plan
 
 
 def test_live_bytes_counts_each_storage_once_while_it_is_alive():
@@ -78,6 +78,14 @@ def test_profile_plans_every_stage_for_a_simulated_gpu(run_cli, tmp_path):
         assert stage in fits.stdout
     refused = run_cli("profile", "--target", "micro", "--memory", "0.001", check=False)  # 1 MB: less than micro's weights and a step
     assert refused.returncode == 2 and "more than a 0.001 GB GPU has room for" in refused.stderr and "NO" in refused.stdout
+
+
+@pytest.mark.parametrize("target", ["qwen3-4b", "qwen3-8b"])
+def test_the_paper_targets_bench_fits_an_80_gb_gpu(cache_dir, target):
+    """Its concurrency sweep (64 rows) runs the history teacher too, whose rows keep no features there: one turn each."""
+    config = load_config(target)
+    bench, arch = config.bench, architecture(config)
+    assert bench_plan(config, arch, "cuda", bench.methods, bench.concurrency, bench.max_new_tokens).fits(80 * 10**9)
 
 
 def test_an_engine_of_more_rows_than_fit_is_refused_naming_the_rows_that_do(cache_dir):

@@ -373,7 +373,7 @@ class Bench:
         runner = engine.runner
         path = runner.path if engine.drafter.draft_tokens else self.fastest_path
         wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
-                                   pass_width(engine.drafter.draft_tokens, runner.model.dtype))
+                                   pass_width(engine.drafter.draft_tokens, runner.model.dtype), keep_features=False)  # one turn each
         wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
         start, captured = time.perf_counter(), CAPTURES.seconds
         requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])

@@ -294,11 +294,12 @@ def keeps_history(drafter: str) -> bool:
 
 
 def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, device_type: str, history_drafter: bool = False,
-                  single_row_tokens: int = 0) -> MemoryPlan:
+                  single_row_tokens: int = 0, slots_keep_features: bool = True) -> MemoryPlan:
     """The peak of a decoding engine with ``slots`` rows holding ``tokens`` positions each (KV caches grow by
     need, so this is what rows of that length cost): the target in its planned dtype, a DLite drafter and, with
-    ``history_drafter``, the history drafter and its draft KV per position; ``single_row_tokens`` adds a batch-1
-    runner holding that many (the bench's, kept beside its concurrency sweep)."""
+    ``history_drafter``, the history drafter, its draft KV per position and the target features kept for a next
+    turn (in the slots unless ``slots_keep_features`` is off); ``single_row_tokens`` adds a batch-1 runner holding
+    that many, which keeps them (the bench's, kept beside its concurrency sweep)."""
     from .model import FULL_HISTORY, Drafter, DrafterSpec
     from .runner import pass_width
 
@@ -312,11 +313,14 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
     drafter_bytes = sum(t.numel() * (draft_dtype.itemsize if t.is_floating_point() else t.element_size())
                         for d in drafters for t in [*d.parameters(), *d.buffers()])
     per_token = kv_bytes_per_token(arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    features_per_token = 0
     if history_drafter:  # its draft KV, and the target's features the runner keeps for the next turn
         per_token += kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, draft_dtype)
-        per_token += len(spec.target_layer_ids) * spec.hidden_size * dtype.itemsize
+        features_per_token = len(spec.target_layer_ids) * spec.hidden_size * dtype.itemsize
+    kept = (slots * tokens if slots_keep_features else 0) + single_row_tokens
     parts = {"target weights": module_bytes(target).live, "drafter weights": drafter_bytes,
-             "KV caches" + (" (target + draft) and features" if history_drafter else ""): (slots * tokens + single_row_tokens) * per_token}
+             "KV caches" + (" (target + draft) and features" if history_drafter else ""):
+                 (slots * tokens + single_row_tokens) * per_token + kept * features_per_token}
     if packed_bytes(target, device_type):
         parts["packed target weights (oneDNN)"] = packed_bytes(target, device_type)
     width = max(config.drafter.draft_tokens + 1, pass_width(config.drafter.draft_tokens, dtype))
@@ -331,7 +335,8 @@ def bench_plan(config: Config, arch, device_type: str, methods: list[str], concu
     """``dlite bench``: its concurrency sweep's widest level (first turns of chat prompts, planned at
     regen.max_prompt_tokens of prompt and ``max_new_tokens``) beside the batch-1 runner at the target's context."""
     return decoding_plan(config, arch, "bench", max(concurrency, default=1), config.regen.max_prompt_tokens + max_new_tokens,
-                         device_type, any(keeps_history(m) for m in methods), single_row_tokens=arch.max_position_embeddings)
+                         device_type, any(keeps_history(m) for m in methods), single_row_tokens=arch.max_position_embeddings,
+                         slots_keep_features=False)  # the sweep's requests have one turn
 
 
 def most_that_fit(peak_of, capacity: int) -> int:

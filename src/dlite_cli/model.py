@@ -173,7 +173,7 @@ def grouped_attention(q, k, v, mask=None, scale=None, fold: bool | None = None):
     # (B or 1, 1, groups·Q, T): query g·Q + i is row i
     rows = None if mask is None else mask.expand(-1, -1, Q, -1).repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * Q, d), k, v, attn_mask=rows, scale=scale)
-    return out.view(B, h, Q, d)
+    return out.reshape(B, h, Q, d)  # CUDA's fused kernels may return it strided, not contiguous
 
 
 class Attention(nn.Module):

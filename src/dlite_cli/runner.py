@@ -57,10 +57,11 @@ class TargetRunner:
     """A target model (``AutoModelForCausalLM``, eval mode) prepared for batched, rollback-able decoding."""
 
     def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager",
-                 width: int = 1):
+                 width: int = 1, keep_features: bool = True):
         """``width``: the fewest tokens in a decode pass (a row's own, then padding).  K + 1 makes plain
         decoding and every drafter compute each position with the same shapes: in a lower precision,
-        whose matmuls round by shape, that is what gives them the same greedy text."""
+        whose matmuls round by shape, that is what gives them the same greedy text.  ``keep_features``:
+        keep a prefill's features for a next turn (not worth their memory where requests have one turn)."""
         config = model.config
         if config.model_type not in SUPPORTED_FAMILIES:
             raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
@@ -83,6 +84,7 @@ class TargetRunner:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
         self.features: list[torch.Tensor | None] = [None] * slots  # (n, S, H) at each slot's first n positions
+        self.keep_features = keep_features
         self.reach = [0] * slots  # the most tokens each slot's request may come to hold (0: unknown)
         self.graphs = CudaGraphs(enabled=path == "graphs")
         self._verify_costs: list[float] = []
@@ -142,8 +144,10 @@ class TargetRunner:
             features.append(chunk_features[0])
         if not all_features:
             return logits[0, -1], features[-1], reused
-        self.features[slot] = torch.cat(features)
-        return logits[0, -1], self.features[slot], reused
+        features = torch.cat(features)
+        if self.keep_features:
+            self.features[slot] = features
+        return logits[0, -1], features, reused
 
     def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
