@@ -146,6 +146,32 @@ def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_ag
     assert len(lines(run / "results.jsonl")) == len(records) + 6
 
 
+def test_suffix_decoding_measures_an_episode_holding_the_workloads_earlier_ones_and_a_later_plan_rebuilds_that_tree(cache_dir, tmp_path):
+    """Three episodes at once, and two then a third in another run: the third is measured on the same global tree (its
+    proposals, all K every round, are the same), the second time built from the first two's stored responses."""
+    env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
+
+    def bench(run: str, limit: int) -> list[dict]:
+        subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, "--workload", "swe_bench", "--limit", str(limit), "--methods", "ar,suffix:fixed",
+                        "--concurrency", "", "--run-dir", run], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        return [r for r in lines(tmp_path / run / "bench" / "results.jsonl") if r["method"] == "suffix:fixed"]
+
+    at_once = bench("at-once", 3)
+    episodes = [r["episode"] for r in at_once]
+    for index, record in enumerate(at_once):
+        decoded = [turn for turn in record["turns"] if "skipped" not in turn]
+        assert decoded and all(len(turn["output_ids"]) == turn["generated_tokens"] for turn in decoded)
+        responses = sum("skipped" not in t for r in at_once[:index] for t in r["turns"])
+        assert record["suffix_tree"] == {"episodes": episodes[:index], "responses": responses}
+    assert sum(sum(t.get("accepted", [])) for t in at_once[2]["turns"]) > 0  # proposals from the tree were accepted
+    bench("in-turn", 2)
+    third = bench("in-turn", 3)[-1]
+    assert third["suffix_tree"] == at_once[2]["suffix_tree"]
+    assert [(t.get("rounds"), t.get("accepted")) for t in third["turns"]] == [(t.get("rounds"), t.get("accepted")) for t in at_once[2]["turns"]]
+    details = json.loads((tmp_path / "at-once" / "bench" / "details.json").read_text())
+    assert {r["method"]: r["suffix tree"] for r in details["rows"]} == {"ar": "", "suffix:fixed": "0–2"}
+
+
 def test_a_named_data_file_that_gives_no_episode_is_an_error(cache_dir, tmp_path):
     data = tmp_path / "humaneval.jsonl"
     data.write_text("not json\n{broken\n")

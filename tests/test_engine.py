@@ -198,6 +198,10 @@ def test_suffix_decoding_copies_an_earlier_requests_response_from_its_global_tre
     assert first.output_ids == second.output_ids == reference[0]
     assert (second.stats.rounds < first.stats.rounds) == (cached > 0) and second.stats.rounds <= first.stats.rounds
     assert list(proposer.cache.cached_requests) == ([0, 1] if cached else []) and not proposer.cache.active_requests
+    rebuilt = SuffixDrafter(K, SuffixConfig(max_cached_requests=cached))
+    rebuilt.reset([first.output_ids])  # as the bench builds a tree from the stored responses of the episodes before
+    (again,) = make_engine(micro, rebuilt, slots=1).run([Request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS))])
+    assert again.output_ids == reference[0] and again.stats.rounds == second.stats.rounds
 
 
 def test_suffix_decoding_without_arctic_inference_says_how_to_install_it(micro, monkeypatch):

@@ -5,7 +5,7 @@ import torch
 
 from dlite_cli.config import load_config
 from dlite_cli.errors import DliteError
-from dlite_cli.memory import LiveBytes, architecture, bench_plan, decoding_plan, engine_context, most_that_fit, stage_plans, training_plan
+from dlite_cli.memory import SUFFIX_TREE_BYTES_PER_TOKEN, LiveBytes, architecture, bench_plan, decoding_plan, engine_context, most_that_fit, stage_plans, training_plan
 
 
 def test_live_bytes_counts_each_storage_once_while_it_is_alive():
@@ -78,6 +78,18 @@ def test_profile_plans_every_stage_for_a_simulated_gpu(run_cli, tmp_path):
         assert stage in fits.stdout
     refused = run_cli("profile", "--target", "micro", "--memory", "0.001", check=False)  # 1 MB: less than micro's weights and a step
     assert refused.returncode == 2 and "more than a 0.001 GB GPU has room for" in refused.stderr and "NO" in refused.stdout
+
+
+def test_suffix_decodings_trees_are_bounded_by_the_responses_the_global_tree_keeps(cache_dir):
+    config = load_config("micro")
+    arch = architecture(config)
+    plain = decoding_plan(config, arch, "serve", 2, 1000, "cpu")
+    with_trees = decoding_plan(config, arch, "serve", 2, 1000, "cpu", suffix_responses=100)
+    expected = SUFFIX_TREE_BYTES_PER_TOKEN * (config.suffix.max_cached_requests * 100 + 2 * 1000)
+    assert with_trees.parts["suffix trees"] == expected and with_trees.peak == plain.peak + expected
+    assert "suffix trees" not in decoding_plan(config, arch, "serve", 2, 1000, "cuda", suffix_responses=100).parts  # in host memory
+    config.suffix.max_cached_requests = 0  # prompt trees only: a row's own
+    assert decoding_plan(config, arch, "serve", 2, 1000, "cpu", suffix_responses=100).parts["suffix trees"] == SUFFIX_TREE_BYTES_PER_TOKEN * 2000
 
 
 @pytest.mark.parametrize("target", ["qwen3-4b", "qwen3-8b"])

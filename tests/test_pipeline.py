@@ -52,7 +52,7 @@ def test_micro_pipeline_runs_every_stage_until_and_from_where_asked_then_has_not
     for table in TABLES:
         assert (run / "bench" / f"{table}.md").stat().st_size > 0
     methods = {json.loads(line)["method"] for line in (run / "bench" / "results.jsonl").read_text().splitlines()}
-    assert methods == {"ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"}  # every trained drafter was benched
+    assert methods == {"ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "suffix", "dlite+ngram", "dlite+suffix"}  # every trained drafter was benched
     assert "wall time per stage" in rest.stderr and "total" in rest.stderr
 
     again = run_cli("run", "micro")

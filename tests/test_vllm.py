@@ -204,10 +204,12 @@ def test_refusals(llm, micro, drafter_dir, tmp_path):
     with pytest.raises(DliteError, match="keeps a draft history"):
         resolve(str(tmp_path / "teacher"), tmp_path, K, model.config)
     assert resolve(f"{drafter_dir}+ngram:fixed", tmp_path, K, model.config) == (drafter_dir, {"model": f"{drafter_dir}+ngram:fixed"})
-    with pytest.raises(DliteError, match=r"pairs DLite with prompt lookup \(\+ngram\) only"):
-        resolve(f"{drafter_dir}+suffix", tmp_path, K, model.config)
-    _, suffix = resolve("suffix", tmp_path, K, model.config, SuffixConfig(max_cached_requests=0))
+    settings = SuffixConfig(max_cached_requests=0, min_token_prob=0.2)
+    _, suffix = resolve("suffix", tmp_path, K, model.config, settings)
     assert suffix["method"] == "suffix" and suffix["suffix_decoding_max_cached_requests"] == 0 and suffix["num_speculative_tokens"] == K
+    _, paired = resolve(f"{drafter_dir}+suffix", tmp_path, K, model.config, settings)  # the plugin reads vLLM's suffix settings
+    assert paired == {"model": f"{drafter_dir}+suffix", **{k: v for k, v in suffix.items() if k.startswith("suffix_decoding_")}}
+
     # a drafter of another target (a wider vocabulary), named to vLLM itself
     other = json.loads((drafter_dir / "config.json").read_text())
     (tmp_path / "other").mkdir()
@@ -220,7 +222,7 @@ def test_refusals(llm, micro, drafter_dir, tmp_path):
 
 
 def test_bench_in_vllm_runs_what_vllm_can_there_the_rest_in_dlites_engine_and_table4_through_its_scheduler(run_cli, micro, drafter_dir, tmp_path):
-    """--engine vllm on a two-turn chat: plain decoding and the drafter with prompt lookup run in vLLM, a history drafter
+    """--engine vllm on a two-turn chat: plain decoding and the drafter with suffix decoding run in vLLM, a history drafter
     (which vLLM refuses) in dlite's engine beside its plain decoding, the reference; every method writes the target's
     greedy text, each turn's context holding the first reply as its engine wrote it.  Table 4 measures vLLM's methods too."""
     _, model = micro
@@ -228,7 +230,7 @@ def test_bench_in_vllm_runs_what_vllm_can_there_the_rest_in_dlites_engine_and_ta
     Drafter(DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), FULL_HISTORY)).save(teacher)
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"question_id": 1, "turns": ["Tell me about lists.", "And dictionaries?"]}) + "\n")
-    hybrid = f"{drafter_dir}+ngram"
+    hybrid = f"{drafter_dir}+suffix"  # the plugin's pairing with arctic-inference's trees (+ngram: the server's test)
     run_cli("bench", *CLI_OPTIONS, "--run-dir", "run", "--workload", "mt_bench", "--data", f"mt_bench={chats}", "--max-new-tokens", "24",
             "--concurrency", "1,2", "--engine", "vllm", "--set", "bench.compare=[ar]", "--methods", f"ar,{hybrid},{teacher}")
     bench = tmp_path / "run" / "bench"

@@ -20,6 +20,12 @@ measured under the same key and reuses the rest; ``--force`` measures the whole 
 
 Lines are appended as they finish, so an interrupted bench resumes where it stopped.  The tables
 and plots (report.py) are written from the plan's measurements at the end.
+
+Suffix decoding (``suffix``, ``NAME+suffix``) in dlite's engine measures an episode with a global tree that holds
+what the method wrote on the workload's earlier episodes, every turn, the oldest first (none with
+``suffix.max_cached_requests`` 0): as an agent's server would, having served those before.  Its key and record name
+those episodes, and a bench that reuses them, resumed or later, builds that tree from their stored responses.  In
+vLLM (``vllm:suffix``), whose tree dlite cannot set, every episode is measured on its prompt trees alone.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from pathlib import Path
 from .artifacts import Stage, atomic_path, atomic_write_json, atomic_write_text, fingerprint_dir, read_json
 from .config import BenchConfig, Config, SuffixConfig, config_hash
 from .devices import hardware, resolve_device
-from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed, split_lookup
+from .drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed, suffix_part
 from .engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from .errors import DliteError
 from .graphs import CAPTURES
@@ -58,9 +64,9 @@ FASTEST_AR = "ar:fastest"
 THROUGHPUT_WORKLOADS = ("humaneval", "sharegpt", "mt_bench")  # the first available one feeds the concurrency sweep
 
 
-def episode_suffix(settings: SuffixConfig) -> SuffixConfig:
-    """Suffix decoding as the bench measures it: each episode on its own tokens (its prompt trees; no global tree of
-    earlier episodes' responses), so that a measurement does not depend on what this process measured before it."""
+def prompt_trees_only(settings: SuffixConfig) -> SuffixConfig:
+    """Suffix decoding in vLLM as the bench measures it: no global tree (vLLM's would hold whatever its engine wrote
+    before in this process: the warm-up, other workloads), so that a measurement does not depend on what ran before it."""
     return dataclasses.replace(settings, max_cached_requests=0)
 
 
@@ -211,9 +217,9 @@ class Bench:
             base = split_fixed(name)[0]
             try:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log,
-                                                 episode_suffix(self.config.suffix))
-                if "suffix" in (base, split_lookup(base)[1]):  # its settings are part of what was measured
-                    self.engine_keys[method] = {"suffix": dataclasses.asdict(episode_suffix(self.config.suffix))}
+                                                 self.config.suffix)
+                if suffix_part(proposers[method]):  # its settings are part of what was measured
+                    self.engine_keys[method] = {"suffix": dataclasses.asdict(self.config.suffix)}
                 if base in ("none", "ngram", "suffix"):
                     self.drafters[method] = self.fingerprints[method] = name
                     self.origins[method] = "no checkpoint"
@@ -239,6 +245,9 @@ class Bench:
                 runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path, width)
             adaptive = self.config.decode.adaptive and split_fixed(method)[1]
             self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
+        # methods whose suffix trees keep earlier responses → that drafter, and what its global tree holds now
+        self.global_trees = {m: suffix_part(p) for m, p in proposers.items() if suffix_part(p) and self.config.suffix.max_cached_requests}
+        self.tree_holds: dict[str, tuple[str, list[str]]] = {}
         return unavailable
 
     def _load_vllm(self, method: str, model) -> None:
@@ -246,7 +255,7 @@ class Bench:
         from .vllm_engine.engine import VllmEngine, resolve
 
         directory, spec = resolve(method.removeprefix(VLLM_PREFIX), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config,
-                                  episode_suffix(self.config.suffix))
+                                  prompt_trees_only(self.config.suffix))
         try:
             engine = VllmEngine(prepare_target(self.config.target, self.log).path, spec, self.config.vllm, str(model.dtype).removeprefix("torch."), self.log)
         except (RuntimeError, ValueError) as e:  # vLLM's own, from its engine process: the cause is in the log above
@@ -256,8 +265,8 @@ class Bench:
         self.fingerprints[method] = fingerprint_dir(directory) if directory else self.drafters[method]
         self.origins[method] = drafter_origin(directory) if directory else "no checkpoint"
         self.engine_keys[method] = {"engine": engine.version, "vllm": dataclasses.asdict(self.config.vllm)}
-        if spec and spec.get("method") == "suffix":
-            self.engine_keys[method]["suffix"] = dataclasses.asdict(episode_suffix(self.config.suffix))
+        if spec and "suffix_decoding_max_cached_requests" in spec:
+            self.engine_keys[method]["suffix"] = dataclasses.asdict(prompt_trees_only(self.config.suffix))
 
     def _report(self, results: list[dict], throughput: list[dict], unavailable: dict) -> None:
         """The plan's tables and plots in its folder, and copied to the top of the bench folder (the latest plan)."""
@@ -280,30 +289,49 @@ class Bench:
         stored = stored_by_key(self.results, reuse_from)
         # (workload, episode, source, method, key), interleaved: every method on an episode, then the next, in order and then
         # in reverse, so that a machine that speeds up or slows down during an episode's runs favours no method
-        work = []
+        work, keys = [], {}  # keys: (workload, episode id, method) → key
         for name, (items, source) in episodes.items():
             for index, episode in enumerate(items):
                 for method in list(self.engines)[:: 1 if index % 2 == 0 else -1]:
+                    tree = {"suffix_tree": [e.id for e in items[:index]]} if method in self.global_trees else {}
                     key = self._key(method=method, drafter=self.fingerprints[method], workload=name, episode=episode.id,
                                     text=episode_key(episode), max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature,
-                                    **self.engine_keys.get(method, {}))
+                                    **self.engine_keys.get(method, {}), **tree)
+                    keys[name, episode.id, method] = key
                     work.append((name, episode, source, method, key))
         missing = [item for item in work if item[-1] not in stored]
         self.stage.update(progress={"done": len(work) - len(missing), "total": len(work), "unit": "episode runs"})
         with progress_bar("bench episodes", total=len(work), completed=len(work) - len(missing)) as bar:
             for done, (name, episode, source, method, key) in enumerate(missing, len(work) - len(missing) + 1):
                 self._warm_up()
-                turns = self._replay(self.engines[method], episode)
+                tree = self._hold_earlier_episodes(method, name, episodes[name][0], episode, stored, keys)
+                turns = self._replay(self.engines[method], episode, keep_output=method in self.global_trees)
                 stored[key] = {"id": uuid.uuid4().hex[:12], "key": key, "workload": name, "episode": episode.id, "method": method,
-                               "drafter": self.drafters[method], "drafter_fingerprint": self.fingerprints[method], "source": source, "turns": turns}
+                               "drafter": self.drafters[method], "drafter_fingerprint": self.fingerprints[method], "source": source, "turns": turns,
+                               **tree}
                 append_line(self.results, stored[key])
                 bar.update(advance=1, description=f"bench {name}")
                 self.stage.update(progress={"done": done, "total": len(work), "unit": "episode runs"})
         # each with its checkpoint's origin as it is now (a stored key pins the checkpoint's bytes)
         return [{**stored[key], "origin": self.origins[method]} for _, _, _, method, key in work], len(missing)
 
-    def _replay(self, engine: Engine, episode: Episode) -> list[dict]:
-        """Decode every assistant turn of ``episode``, the context growing turn by turn."""
+    def _hold_earlier_episodes(self, method: str, workload: str, items: list[Episode], episode: Episode, stored: dict, keys: dict) -> dict:
+        """Before ``method`` decodes ``episode``: a global suffix tree (if it keeps one) that holds its responses on the
+        workload's episodes before this one, built from their stored records where it does not already → the record's
+        note of what it held."""
+        drafter = self.global_trees.get(method)
+        if drafter is None:
+            return {}
+        earlier = [e.id for e in items[: items.index(episode)]]
+        records = [stored[keys[workload, e, method]] for e in earlier]
+        if self.tree_holds.get(method) != (workload, earlier):
+            drafter.reset([turn["output_ids"] for record in records for turn in record["turns"] if "output_ids" in turn])
+        self.tree_holds[method] = (workload, earlier + [episode.id])  # once it has decoded this one
+        return {"suffix_tree": {"episodes": earlier, "responses": sum("output_ids" in t for r in records for t in r["turns"])}}
+
+    def _replay(self, engine: Engine, episode: Episode, keep_output: bool = False) -> list[dict]:
+        """Decode every assistant turn of ``episode``, the context growing turn by turn (``keep_output``: each turn's
+        token ids in its record)."""
         messages, turns = [], []
         for index, turn in enumerate(episode.turns):
             messages = messages + turn
@@ -324,6 +352,7 @@ class Bench:
                 "capture_s": stats.capture_seconds,
                 "proposed": stats.proposed, "accepted": stats.accepted, "draft_kv_bytes": stats.draft_kv_bytes,
                 "output_sha": hashlib.sha1(json.dumps(request.output_ids).encode()).hexdigest()[:12],
+                **({"output_ids": request.output_ids} if keep_output else {}),
             })
             messages = messages + [{"role": "assistant", "content": request.text}]
         return turns
@@ -335,6 +364,7 @@ class Bench:
         ids = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": "Say hello."}], self.config.target.thinking)
         for engine in self.engines.values():
             engine.run([Request(ids, SamplingParams(max_new_tokens=8))])
+        self.tree_holds.clear()  # the warm-up's response is in them
         self.warmed_up = True
 
     # ----- throughput vs concurrency (Table 4)
@@ -375,6 +405,9 @@ class Bench:
         wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
                                    pass_width(engine.drafter.draft_tokens, runner.model.dtype), keep_features=False)  # one turn each
         wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
+        if suffix_part(engine.drafter):  # a global tree of the sweep's own requests alone
+            suffix_part(engine.drafter).reset()
+            self.tree_holds.clear()
         start, captured = time.perf_counter(), CAPTURES.seconds
         requests = wide.run([Request(ids, SamplingParams(self.plan.max_new_tokens, self.plan.temperature, seed=i)) for i, ids in enumerate(batch)])
         capture = CAPTURES.seconds - captured  # a fresh runner captures its graphs as it goes: not the decoding's time

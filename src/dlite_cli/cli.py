@@ -181,7 +181,7 @@ def generate(
 
     config = _load(target, set_)
     text = sys.stdin.read() if prompt == "-" else prompt
-    decoder, tokenizer, engine = _decoding_engine(config, _run_dir(config, run_dir), drafter, engine or config.decode.engine)
+    decoder, tokenizer, engine = _decoding_engine(config, _run_dir(config, run_dir), drafter, engine or config.decode.engine, max_new_tokens)
     if raw:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
@@ -203,7 +203,7 @@ def generate(
         f"acceptance by position: {acceptance or 'n/a'}; {stats['generated_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tok/s")
 
 
-def _decoding_engine(config, run_dir: Path, drafter: str, setting: str):
+def _decoding_engine(config, run_dir: Path, drafter: str, setting: str, max_new_tokens: int):
     """``generate``'s engine for ``--engine`` → (engine, tokenizer, its name): vLLM (auto: where installed) or dlite's own;
     a drafter vLLM cannot draft with runs in dlite's under auto, said in one line."""
     from .engine import load_engine
@@ -220,7 +220,7 @@ def _decoding_engine(config, run_dir: Path, drafter: str, setting: str):
             if setting == "vllm":
                 raise
             log(f"{e}: decoding in dlite's own engine instead")
-    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=1, log=log)
+    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=1, log=log, response_tokens=max_new_tokens)
     return decoder, tokenizer, "dlite"
 
 

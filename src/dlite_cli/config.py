@@ -230,11 +230,11 @@ class BenchConfig:
     """``dlite bench``'s plan where the command line does not choose.  The pipeline's bench stage takes it as
     it is, so a later ``dlite bench --suite agentic`` asks for the same measurements and reuses them."""
 
-    methods: list[str] = _checked(["ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "dlite+ngram"],
+    methods: list[str] = _checked(["ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "suffix", "dlite+ngram", "dlite+suffix"],
                                   check=lambda v: len(v) > 0, says="name at least one method")
     # also measured in the other engine, side by side with the methods: in vLLM (where it is installed) when the bench
     # runs in dlite's engine, in dlite's when it runs in vLLM (decode.engine, --engine); [] measures one engine only
-    compare: list[str] = field(default_factory=lambda: ["ar", "ngram", "dlite", "dlite+ngram"])
+    compare: list[str] = field(default_factory=lambda: ["ar", "ngram", "suffix", "dlite", "dlite+ngram", "dlite+suffix"])
     limit: int = positive(8)  # episodes per workload
     max_new_tokens: int = positive(64)  # per assistant turn
     concurrency: list[int] = _checked([1, 4, 16, 64], check=lambda v: all(c >= 1 for c in v), says="be levels >= 1 ([] skips Table 4)")

@@ -48,8 +48,8 @@ STAGE_OF = {"dlite": "stable", "history": "train-teacher", "parallel": "stable-p
 NGRAM_SIZES = (3, 2, 1)  # prompt lookup tries the longest suffix first
 LOOKUP_PRIOR = {3: 0.6, 2: 0.4, 1: 0.2}  # a lookup proposal's chance of acceptance by match length, before any is seen
 CONFIDENCE_BINS = 20  # a model drafter's probabilities are calibrated per bin of this width (1/20)
-HYBRID_SUFFIX = "+ngram"
-SUFFIX_HYBRID = "+suffix"  # DLite paired with suffix decoding instead of prompt lookup
+NGRAM_PAIRING = "+ngram"  # NAME+ngram: the drafter paired with prompt lookup
+SUFFIX_PAIRING = "+suffix"  # NAME+suffix: the drafter paired with suffix decoding
 FIXED_SUFFIX = ":fixed"
 ARCTIC_INSTALL = ("pip install nanobind==2.9.2 cmake ninja, then, with the environment's bin first on PATH, "
                   "pip install --no-build-isolation --no-deps arctic-inference==0.3.0 (make install does both)")
@@ -198,6 +198,16 @@ class SuffixDrafter(LookupDrafter):
         self.cache.stop_request(self._caught_up(row))  # its response stays in the global tree
         del self.requests[row.slot]
 
+    def reset(self, responses: list[list[int]] = ()) -> None:
+        """A global tree anew, holding ``responses`` (finished responses' token ids, the oldest first), as if this drafter
+        had just produced them; no row may be active."""
+        self.cache = suffix_cache(self.settings)
+        for response in responses:
+            self.cache.start_request(self.started, [])
+            self.cache.add_active_response(self.started, response)
+            self.cache.stop_request(self.started)
+            self.started += 1
+
     def _caught_up(self, row) -> int:
         """The cache's id for ``row``'s request, once the response tokens committed since the last round are in its trees."""
         request, added = self.requests[row.slot]
@@ -207,13 +217,28 @@ class SuffixDrafter(LookupDrafter):
         return request
 
 
-def suffix_cache(settings: SuffixConfig):
-    """arctic-inference's suffix-decoding cache, or one sentence on how to install it."""
+def copying_drafter(kind: str, draft_tokens: int, suffix: SuffixConfig | None = None) -> LookupDrafter:
+    """``ngram`` (prompt lookup) or ``suffix`` (suffix decoding, with ``suffix``'s settings) proposing up to K tokens."""
+    return NgramDrafter(draft_tokens) if kind == "ngram" else SuffixDrafter(draft_tokens, suffix or SuffixConfig())
+
+
+def suffix_part(proposer) -> SuffixDrafter | None:
+    """The suffix-decoding drafter ``proposer`` is, or is paired with (``NAME+suffix``); None where there is none."""
+    return next((part for part in (proposer, getattr(proposer, "lookup", None)) if isinstance(part, SuffixDrafter)), None)
+
+
+def suffix_cache_class():
+    """arctic-inference's suffix-decoding cache class, or one sentence on how to install it."""
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError:
         raise DliteError(f"suffix decoding needs arctic-inference, which PyPI has as source only: {ARCTIC_INSTALL}") from None
-    return SuffixDecodingCache(settings.max_tree_depth, settings.max_cached_requests)
+    return SuffixDecodingCache
+
+
+def suffix_cache(settings: SuffixConfig):
+    """A new suffix-decoding cache (no trees yet) with ``settings``."""
+    return suffix_cache_class()(settings.max_tree_depth, settings.max_cached_requests)
 
 
 class ModelDrafter(NoDrafter):
@@ -528,7 +553,7 @@ def split_fixed(name: str) -> tuple[str, bool]:
 
 def split_lookup(name: str) -> tuple[str, str]:
     """``NAME+ngram`` / ``NAME+suffix`` → (NAME, the copying drafter it is paired with); ``NAME`` → (NAME, "")."""
-    for pairing in (HYBRID_SUFFIX, SUFFIX_HYBRID):
+    for pairing in (NGRAM_PAIRING, SUFFIX_PAIRING):
         if name.endswith(pairing):
             return name.removesuffix(pairing), pairing.removeprefix("+")
     return name, ""
@@ -551,7 +576,7 @@ def resolve_drafter_path(name: str, run_dir: Path) -> Path:
     path = Path(name)
     if not path.is_dir():
         raise DliteError(f"unknown drafter {name!r}: expected none, ngram, suffix, {', '.join(STAGE_OF)}, a drafter directory or a hub id "
-                         f"(any of the last three may end in {HYBRID_SUFFIX}, {SUFFIX_HYBRID} or {FIXED_SUFFIX})")
+                         f"(any of the last three may end in {NGRAM_PAIRING}, {SUFFIX_PAIRING} or {FIXED_SUFFIX})")
     return path
 
 
@@ -570,11 +595,10 @@ def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_t
     ``dtype`` (or auto: :func:`draft_dtype`) on the target's device; ``path`` graphs captures DLite's rounds as CUDA
     graphs."""
     name, _ = split_fixed(name)
-    copying = {"ngram": lambda k: NgramDrafter(k), "suffix": lambda k: SuffixDrafter(k, suffix or SuffixConfig())}
     if name == "none":
         return NoDrafter()
-    if name in copying:
-        return copying[name](ngram_tokens)
+    if name in ("ngram", "suffix"):
+        return copying_drafter(name, ngram_tokens, suffix)
     base, lookup = split_lookup(name)
     directory = resolve_drafter_path(name, run_dir)
     drafter = Drafter.load(directory, target_model.config).eval().to(next(target_model.parameters()).device)
@@ -586,4 +610,4 @@ def load_proposer(name: str, run_dir: Path, target_model, capacity: int, ngram_t
             raise DliteError(f"{name}: {lookup} pairs with a history-free drafter, and {directory} keeps a draft history (W ≠ 0)")
         return HistoryAdapter(drafter, embed, label, capacity)
     model = DLiteAdapter(drafter, embed, label, graphs=path == "graphs")
-    return HybridDrafter(model, copying[lookup](model.draft_tokens), drafter.spec.vocab_size) if lookup else model
+    return HybridDrafter(model, copying_drafter(lookup, model.draft_tokens, suffix), drafter.spec.vocab_size) if lookup else model

@@ -401,10 +401,11 @@ class SamplingPick:
         return SamplingPick([self.rows[i] for i in indices])
 
 
-def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print):
+def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print, response_tokens: int = 0):
     """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
     ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length, or as much of
-    it as the device has room for (memory.engine_context: planned before the target loads)."""
+    it as the device has room for (memory.engine_context: planned before the target loads, suffix decoding's trees
+    for responses of ``response_tokens``)."""
     from .devices import resolve_device
     from .drafters import load_proposer, split_fixed
     from .memory import engine_context
@@ -413,7 +414,7 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     decode = config.decode
     slots = slots or decode.max_batch
     capacity = engine_context(config, load_target_config(prepare_target(config.target, log)), drafter, slots, capacity,
-                              resolve_device(config.target.device), log)
+                              resolve_device(config.target.device), log, response_tokens)
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)

@@ -48,9 +48,11 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         group = groups.setdefault((record["workload"], record["method"]), {
             "rounds": 0, "committed": 0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
             "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"],
-            "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {},
+            "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {}, "tree_responses": [],
         })
         group["episodes"] += 1
+        if "suffix_tree" in record:
+            group["tree_responses"].append(record["suffix_tree"]["responses"])
         episode = group["by_episode"].setdefault(record["episode"], [0.0, 0])  # [decode s, tokens]
         for turn in record["turns"]:
             if "skipped" in turn:
@@ -87,7 +89,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
             "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
             "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"], "origin": g["origin"],
-            "draft_kv_bytes": g["draft_kv_bytes"],
+            "draft_kv_bytes": g["draft_kv_bytes"], "tree_responses": g["tree_responses"],
         }
     return out
 
@@ -330,7 +332,7 @@ def write_report(directory: Path, results: list[dict], throughput: list[dict], u
     stats = aggregate(results)
     detail = Table("details", "All workloads, every measurement", ["workload", "method", "source", "episodes", "tokens", "tau", "speedup",
                                                                     "speedup 90% interval", "tokens/s", "proposed/round", "draft ms/round", "verify ms/round", "prefill s",
-                                                                    "draft KV MB", "acceptance"])
+                                                                    "draft KV MB", "suffix tree", "acceptance"])
     for (workload, method), s in sorted(stats.items()):
         detail.rows.append({"workload": workload, "method": method, "source": s["source"], "episodes": s["episodes"], "tokens": s["tokens"],
                             "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]),
@@ -339,11 +341,15 @@ def write_report(directory: Path, results: list[dict], throughput: list[dict], u
                             "proposed/round": _cell(s["proposed_per_round"]),
                             "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
                             "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
+                            "suffix tree": f"{min(s['tree_responses'])}–{max(s['tree_responses'])}" if s["tree_responses"] else "",
                             "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})
     detail.notes.append("speedup 90% interval: the workload's episodes resampled (bootstrap), each method's time paired with plain "
                         "decoding's on the same episode; where it spans 1.00 the episodes cannot tell the method from plain decoding")
     detail.notes.append("prefill s: the target's own work, shared: a method reuses the prompt keys/values an earlier method "
                         "left on the same episode, except history drafters, which need every prompt position's features")
+    detail.notes.append("suffix tree: the earlier responses suffix decoding's global tree held as an episode began (the workload's "
+                        "earlier episodes, every turn; then it also holds the episode's own earlier turns), fewest–most; blank where it "
+                        "held none (vLLM's runs, or suffix.max_cached_requests 0)")
     detail.write(directory)
     lines = [f"# dlite bench: {target} on {hardware}", ""]
     lines += [f"- [{t.title}]({t.name}.md) ([csv]({t.name}.csv), [json]({t.name}.json), [tex]({t.name}.tex))" for t in tables + [detail]]

@@ -480,7 +480,7 @@ def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | 
 
     from .engine import load_engine
 
-    engine, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log)
+    engine, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log, response_tokens=max_tokens)
     app = create_app(engine, tokenizer, config.name, config.target.thinking, max_queue, max_tokens)
     log(f"serving {config.name} with drafter {drafter} ({len(engine.free)} slots, context {engine.runner.capacity}, "
         f"{engine.runner.path} decoding on {engine.runner.device}) "

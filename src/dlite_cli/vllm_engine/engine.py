@@ -11,13 +11,14 @@ from its first and last token timestamps (prefill excluded, as in dlite's engine
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import sys
 from pathlib import Path
 
-from ..drafters import ARCTIC_INSTALL, FIXED_SUFFIX, HYBRID_SUFFIX, resolve_drafter_path, split_fixed, split_lookup
+from ..drafters import FIXED_SUFFIX, NGRAM_PAIRING, SUFFIX_PAIRING, resolve_drafter_path, split_fixed, split_lookup, suffix_cache_class
 from ..engine import Request, Stats
 from ..config import SuffixConfig
 from ..errors import DliteError
@@ -26,41 +27,36 @@ from . import INSTALL, check_version, checked_spec, is_dlite_drafter
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def resolve(name: str, run_dir: Path, draft_tokens: int, target_config, suffix=None) -> tuple[Path | None, dict | None]:
-    """A method (``ar``/``none``, ``ngram``, ``suffix`` (vLLM's own suffix decoding, with ``suffix``'s settings), a drafter as dlite names them: dlite's names, a directory or hub id, maybe with
-    ``+ngram`` or ``:fixed``) → its checkpoint directory and vLLM's ``speculative_config``; what vLLM cannot run is refused
-    in one sentence."""
+def resolve(name: str, run_dir: Path, draft_tokens: int, target_config, suffix: SuffixConfig | None = None) -> tuple[Path | None, dict | None]:
+    """A method (``ar``/``none``, ``ngram``, ``suffix``: vLLM's own suffix decoding, or a drafter as dlite names them: dlite's
+    names, a directory or hub id, maybe with ``+ngram``, ``+suffix`` or ``:fixed``) → its checkpoint directory and vLLM's
+    ``speculative_config`` (suffix decoding with ``suffix``'s settings); what vLLM cannot run is refused in one sentence."""
     if name in ("ar", "none"):
         return None, None
     if name == "ngram":
         return None, {**NGRAM, "num_speculative_tokens": draft_tokens}
     if name == "suffix":
-        return None, suffix_spec(suffix or SuffixConfig(), draft_tokens)
+        return None, {"method": "suffix", "num_speculative_tokens": draft_tokens, **suffix_fields(suffix)}
     base, adaptive = split_fixed(name)
-    if split_lookup(base)[1] == "suffix":
-        raise DliteError(f"{name}: dlite's vLLM plugin pairs DLite with prompt lookup ({HYBRID_SUFFIX}) only; "
-                         "measure it in dlite's engine, beside vLLM's own suffix method (vllm:suffix)")
-    directory = resolve_drafter_path(base.removesuffix(HYBRID_SUFFIX), run_dir)
+    plain, pairing = split_lookup(base)
+    directory = resolve_drafter_path(plain, run_dir)
     if is_dlite_drafter(str(directory)):
         checked_spec(str(directory), target_config)
-        suffixes = (HYBRID_SUFFIX if base.endswith(HYBRID_SUFFIX) else "") + ("" if adaptive else FIXED_SUFFIX)
-        return directory, {"model": f"{directory}{suffixes}"}  # K: the drafter's own
-    if base != name or base.endswith(HYBRID_SUFFIX):
-        raise DliteError(f"{name}: {HYBRID_SUFFIX} and {FIXED_SUFFIX} pair with DLite drafters; vLLM drafts with {directory} as it does")
+        spec = {"model": f"{directory}{'+' + pairing if pairing else ''}{'' if adaptive else FIXED_SUFFIX}"}  # K: the drafter's own
+        return directory, {**spec, **suffix_fields(suffix)} if pairing == "suffix" else spec
+    if base != name or pairing:
+        raise DliteError(f"{name}: {NGRAM_PAIRING}, {SUFFIX_PAIRING} and {FIXED_SUFFIX} pair with DLite drafters; vLLM drafts with {directory} as it does")
     architectures = " ".join(json.loads((directory / "config.json").read_text()).get("architectures", [])).lower()
     method = "eagle3" if "eagle3" in architectures else "dflash" if "dflash" in architectures else None
     return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method} if method else {})}
 
 
-def suffix_spec(settings: SuffixConfig, draft_tokens: int) -> dict:
-    """vLLM's ``speculative_config`` for its suffix method, with dlite's settings; arctic-inference must be importable."""
-    try:
-        import arctic_inference.suffix_decoding  # noqa: F401
-    except ImportError:
-        raise DliteError(f"vLLM's suffix method needs arctic-inference, which PyPI has as source only: {ARCTIC_INSTALL}") from None
-    return {"method": "suffix", "num_speculative_tokens": draft_tokens, "suffix_decoding_max_tree_depth": settings.max_tree_depth,
-            "suffix_decoding_max_cached_requests": settings.max_cached_requests, "suffix_decoding_max_spec_factor": settings.max_spec_factor,
-            "suffix_decoding_min_token_prob": settings.min_token_prob}
+def suffix_fields(settings: SuffixConfig | None) -> dict:
+    """vLLM's ``speculative_config`` fields for suffix decoding (its own method's, which the plugin's ``DIR+suffix`` reads
+    too), with dlite's settings; arctic-inference must be importable."""
+    suffix_cache_class()  # or the sentence on how to install it
+    settings = settings or SuffixConfig()
+    return {f"suffix_decoding_{field.name}": getattr(settings, field.name) for field in dataclasses.fields(SuffixConfig)}
 
 
 def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,

@@ -9,9 +9,10 @@ sampled token (the anchor): the last accepted position of the step's verify pass
     dlite layer id k    the output of decoder layer k (= vLLM id k + 1), id L the final-normed output (= vLLM id L
                         through the target's final norm)
 
-A row is handed to dlite's :class:`DLiteAdapter` (or, for ``DIR+ngram``, the :class:`HybridDrafter` of it and
-prompt lookup) as an engine :class:`Request`: its committed tokens, its pivot (S, H) and its sampling parameters.
-The drafter keeps no KV cache.  As in dlite's engine, a row gets up to K proposals: all K with ``DIR:fixed``;
+A row is handed to dlite's :class:`DLiteAdapter` (or, for ``DIR+ngram`` / ``DIR+suffix``, the :class:`HybridDrafter` of
+it and prompt lookup / suffix decoding, the latter with the speculative config's ``suffix_decoding_*`` settings) as an
+engine :class:`Request`: its prompt and output tokens, its pivot (S, H) and its sampling parameters.  The drafter keeps
+no KV cache; suffix decoding's global tree holds the responses of the requests this worker finished before.  As in dlite's engine, a row gets up to K proposals: all K with ``DIR:fixed``;
 otherwise only those expected to pay for their verify (adaptive.py), at the step times measured here — a first
 step with K proposals, a second with none, then every step corrects the curve.  With vLLM's
 ``draft_sample_method: probabilistic`` a sampling row's proposals are drawn from the drafter's q, which goes to
@@ -21,6 +22,7 @@ certain: exact either way.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -28,7 +30,8 @@ from pathlib import Path
 import torch
 
 from ..adaptive import VerifyCosts
-from ..drafters import HYBRID_SUFFIX, DLiteAdapter, HybridDrafter, NgramDrafter, split_fixed
+from ..config import SuffixConfig
+from ..drafters import DLiteAdapter, HybridDrafter, copying_drafter, split_fixed, split_lookup
 from ..engine import Request, SamplingParams, SamplingPick, probabilities
 from ..model import Drafter, greedy_pick
 
@@ -37,7 +40,7 @@ GREEDY_TEMPERATURE = 1e-5  # vLLM marks greedy rows with a temperature at or bel
 
 def drafter_directory(model: str) -> Path:
     """The checkpoint directory of a speculative ``model`` named as dlite names drafters: DIR, DIR:fixed, DIR+ngram…"""
-    return Path(split_fixed(model)[0].removesuffix(HYBRID_SUFFIX))
+    return Path(split_lookup(split_fixed(model)[0])[0])
 
 
 def vllm_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -47,13 +50,14 @@ def vllm_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
 
 class DLiteProposer:
     """Built by vLLM's model runner (through the plugin) with the engine's config: the speculative config's ``model``
-    names the drafter (a DLite directory, with dlite's ``+ngram`` / ``:fixed`` suffixes)."""
+    names the drafter (a DLite directory, with dlite's ``+ngram`` / ``+suffix`` / ``:fixed`` suffixes)."""
 
     def __init__(self, vllm_config):
         spec_config = vllm_config.speculative_config
         self.name = spec_config.model
         base, self.adaptive = split_fixed(self.name)
-        self.hybrid = base.endswith(HYBRID_SUFFIX)
+        self.pairing = split_lookup(base)[1]  # "", "ngram" or "suffix"
+        self.suffix = SuffixConfig(**{f.name: getattr(spec_config, f"suffix_decoding_{f.name}") for f in dataclasses.fields(SuffixConfig)})
         self.drafter = Drafter.load(drafter_directory(self.name), vllm_config.model_config.hf_config).eval()  # checked_spec passed when vLLM built its config
         spec = self.drafter.spec
         self.probabilistic = spec_config.draft_sample_method == "probabilistic"
@@ -70,7 +74,9 @@ class DLiteProposer:
         self.drafter.to(device=parameter.device, dtype=parameter.dtype)
         self.final_norm = target_model.model.norm
         model = DLiteAdapter(self.drafter, target_model.model.embed_tokens, self.name)
-        self.adapter = HybridDrafter(model, NgramDrafter(model.draft_tokens), self.drafter.spec.vocab_size) if self.hybrid else model
+        if self.pairing:
+            model = HybridDrafter(model, copying_drafter(self.pairing, model.draft_tokens, self.suffix), self.drafter.spec.vocab_size)
+        self.adapter = model
 
     @torch.no_grad()
     def propose(self, runner, sampled_token_ids: list[list[int]], aux_hidden_states: list[torch.Tensor], spec_decode_metadata,
@@ -133,6 +139,8 @@ class DLiteProposer:
             row.pivot = context[b]
             if req_id in self.rows:  # its last proposals were verified this step
                 self.adapter.observe(row, len(sampled) - 1, sampled[-1] if row.params.greedy else None)
+            else:
+                self.adapter.begin(row, None)
             self.rows[req_id] = row
             rows.append(row)
         return rows
@@ -145,14 +153,15 @@ class DLiteProposer:
         top_k = int(sampling_metadata.top_k[i]) if sampling_metadata.top_k is not None else 0
         top_p = float(sampling_metadata.top_p[i]) if sampling_metadata.top_p is not None else 1.0
         params = SamplingParams(temperature=0.0 if greedy else temperature, top_k=max(top_k, 0), top_p=top_p)
-        end = int(batch.num_tokens_no_spec[i])
+        end, prompt = int(batch.num_tokens_no_spec[i]), int(batch.num_prompt_tokens[i])
         known = self.rows.get(req_id)
         if known is not None:
             generator = known.generator
         else:  # seeded as the request is in vLLM, where it is
             seeded = sampling_metadata.generators.get(i)
             generator = torch.Generator().manual_seed(seeded.initial_seed() if seeded is not None else random.randrange(2**63))
-        return Request(batch.token_ids_cpu[i, :end].tolist(), params, slot=req_id, generator=generator)
+        tokens = batch.token_ids_cpu[i, :end].tolist()
+        return Request(tokens[:prompt], params, tokens[prompt:], slot=req_id, generator=generator)
 
 
 class StepClock:
