@@ -138,7 +138,18 @@ def test_on_a_gpu_auto_is_bfloat16_unmeasured(monkeypatch):
     assert choice == "bf16" and "not measured" in lines[0]
 
 
-def test_target_dtype_auto_times_the_work_it_is_loaded_for(cache_dir):
+def test_compute_bound_work_is_float32_unmeasured_on_a_cpu_without_bfloat16_instructions(monkeypatch):
+    monkeypatch.setattr(precision, "bf16_instructions", lambda: False)
+    lines = []
+    choice = decide("train.mixed_precision", {"test": "no bf16"}, {"no": pytest.fail, "bf16": pytest.fail}, "a step", CPU, lines.append,
+                    cpu_choice="no", compute_bound=True)
+    assert choice == "no" and lines[0].endswith("(a CPU without bfloat16 instructions: not measured)")
+    timed = decide("decode.draft_dtype", {"test": "no bf16"}, {"float32": lambda: 1.0, "bfloat16": lambda: 2.0}, "a round", CPU, lines.append)
+    assert timed == "float32" and "1.0 ms in float32, 2.0 ms in bfloat16" in lines[1]  # a decode step may still win: measured
+
+
+def test_target_dtype_auto_times_the_work_it_is_loaded_for(cache_dir, monkeypatch):
+    monkeypatch.setattr(precision, "bf16_instructions", lambda: True)  # the batched pass too, whatever this CPU has
     prepared = prepare_target(TargetConfig(model="micro"), log=lambda _: None)
     lines = []
     batched = load_model(prepared, "auto", CPU, lines.append, Work("batched", batch=4))

@@ -10,7 +10,9 @@ Four settings may be ``auto``; each is decided by timing its own work both ways:
 
 On a GPU ``auto`` is bfloat16 for all four, unmeasured.  On a CPU the answer depends on the CPU: with AMX or
 AVX-512 BF16 bfloat16 is often the faster, with AVX2 alone it is several times slower at batched work while a
-single decode step may still be quicker.
+single decode step may still be quicker.  So on a CPU without bfloat16 instructions the compute-bound work (a
+batched pass, a training step: 4-16× the slower in bfloat16 on a 2-core AVX2 EPYC, and timing a bfloat16 training
+step there took minutes) is float32 unmeasured; the decode step and the draft round are still measured.
 
 A single timing decides nothing (:func:`measure`): each option is run once untimed (oneDNN builds its
 primitives, the allocator grows), then the options are timed in ROUNDS interleaved rounds (A B, B A, A B, …)
@@ -68,7 +70,7 @@ class Decision:
 
     def line(self, remembered: str = "") -> str:
         if not self.ms:
-            return f"{self.setting} auto: {self.choice} on {self.hardware} (a GPU: not measured)"
+            return f"{self.setting} auto: {self.choice} on {self.hardware} ({self.reason}: not measured)"
         timings = ", ".join(f"{ms:.1f} ms in {option}" for option, ms in self.ms.items())
         load = "" if self.load is None else f", other processes busy on {self.load:.0%} of the cores"
         again = "" if self.settled else "; measured again next time"
@@ -137,15 +139,19 @@ def _recall(record: Path) -> Decision | None:
 
 
 def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], work: str, device: torch.device,
-           log=print, gpu_choice: str = GPU_CHOICE, cpu_choice: str = CPU_CHOICE) -> str:
+           log=print, gpu_choice: str = GPU_CHOICE, cpu_choice: str = CPU_CHOICE, compute_bound: bool = False) -> str:
     """``setting`` auto → the option of ``options`` (name → a function timing the work once, in ms) that is
     clearly the fastest here (:func:`verdict`), else ``cpu_choice``; remembered per machine and ``key`` (what
-    else the timing depends on) until a measurement on a quiet machine settles it."""
+    else the timing depends on) until a measurement on a quiet machine settles it.  ``compute_bound`` work is
+    ``cpu_choice`` unmeasured on a CPU without bfloat16 instructions."""
     from .artifacts import atomic_write_json  # artifacts records this module's decisions in manifests
 
     machine, ident = hardware(device), json.dumps([setting, key], sort_keys=True)
     if device.type == "cuda":
         decision, remembered = Decision(setting, gpu_choice, {}, work, machine, reason="a GPU", settled=True), ""
+    elif compute_bound and not bf16_instructions():
+        reason = "a CPU without bfloat16 instructions"
+        decision, remembered = Decision(setting, cpu_choice, {}, work, machine, reason=reason, settled=True), ""
     else:
         digest = hashlib.sha256(f"{ident}{machine}".encode()).hexdigest()[:16]
         record = records_dir() / f"{setting.split()[0]}-{digest}.json"
@@ -159,6 +165,19 @@ def decide(setting: str, key: dict, options: dict[str, Callable[[], float]], wor
     _made[ident] = decision
     _asked.append(ident)
     return decision.choice
+
+
+def bf16_instructions() -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 AVX-512 BF16 or AMX, Arm's BF16), as oneDNN may use it
+    (``ONEDNN_MAX_CPU_ISA`` can forbid it); True where /proc/cpuinfo cannot tell (not Linux)."""
+    import os
+
+    try:
+        flags = {word for line in open("/proc/cpuinfo") if line.startswith(("flags", "Features")) for word in line.split()}
+    except OSError:
+        return True
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and (capped == "ALL" or "BF16" in capped or "AMX" in capped)
 
 
 def _measured(setting, options, work, machine, cpu_choice, before: Decision | None) -> Decision:

@@ -148,7 +148,7 @@ def target_dtype(build, device, work: Work, target: str, log=print) -> str:
 
     options = {name: lambda name=name: timed(name) for name in ("float32", "bfloat16")}
     key = {"target": target, **dataclasses.asdict(work), "kernels": KERNELS}
-    return decide(f"target.dtype ({work.kind})", key, options, what, device, log)
+    return decide(f"target.dtype ({work.kind})", key, options, what, device, log, compute_bound=work.kind == "batched")
 
 
 def work_ms(model, work: Work) -> float:

@@ -266,7 +266,7 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
     shapes = {"stage": dataclasses.asdict(plan), "spec": dataclasses.asdict(spec),
               **{k: getattr(train, k) for k in ("micro_batch", "max_length", "anchors_per_sample", "target_top_k", "teacher_window")}}
     work = f"a {plan.name} training step ({train.micro_batch} × {train.max_length} tokens, {train.anchors_per_sample} anchors each)"
-    return decide("train.mixed_precision", shapes, options, work, device, log, gpu_choice="bf16", cpu_choice="no")
+    return decide("train.mixed_precision", shapes, options, work, device, log, gpu_choice="bf16", cpu_choice="no", compute_bound=True)
 
 
 # ---------------------------------------------------------------- the trainer
