@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make reproduce   the pipeline on the embedded default target (smollm2-135m, offline, CPU)
 #   make test        the test suite
-# Each creates or updates the virtualenv it needs.
+# Each creates or updates the virtualenv it needs.  `make docs` builds the documentation site into site/.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +14,7 @@ PIPELINE ?= smollm2-135m
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.dlite-installed
 
-.PHONY: reproduce ablations test install gpu-check
+.PHONY: reproduce ablations test install gpu-check docs
 
 install: $(STAMP)
 
@@ -55,3 +55,17 @@ gpu-check:
 	$(GPU_CHECK) -m dlite_cli profile --target qwen3-4b
 	for target in qwen3-4b qwen3-8b; do for gigabytes in 80 141; do \
 		$(GPU_CHECK) -m dlite_cli profile --target $$target --memory $$gigabytes || exit 1; done; done
+
+# The documentation site (docs/, mkdocs.yml) into site/: the docs extra (mkdocs, mkdocs-material) goes into the venv
+# once; docs/cli.md is generated from the CLI itself each time (not committed), its <placeholders> escaped so that
+# they show; then the strict build fails on any broken link or page left out of the nav.
+DOCS_STAMP = $(VENV)/.dlite-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/typer dlite_cli.cli utils docs --name dlite --title "CLI reference" --output docs/cli.md
+	sed -e '/^\* /s/<\([A-Za-z][A-Za-z_-]*\)>/\&lt;\1\&gt;/g' docs/cli.md > docs/cli.md.tmp && mv docs/cli.md.tmp docs/cli.md
+	$(BIN)/mkdocs build --strict --site-dir site

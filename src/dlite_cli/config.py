@@ -190,7 +190,7 @@ class DecodeConfig:
     #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), the whole allocated KV cache
     #           attended under a mask built on the device, one host read per round
     #   graphs  static, each (bucket, width) target pass and the DLite draft round captured as a CUDA graph
-    #   auto    graphs on CUDA, eager on a CPU
+    #   auto    graphs on CUDA; on a CPU eager in float32, static below it
     path: Literal["auto", "eager", "static", "graphs"] = "auto"
     # Propose per row only the tokens expected to pay for their verify, at the verify cost measured at
     # start-up (adaptive.py; eager path).  A method name ending in :fixed always proposes K, as the paper does.
