@@ -1,15 +1,20 @@
-"""Shared fixtures: an isolated dlite cache, the micro target, and the CLI run as a real subprocess."""
+"""Shared fixtures and helpers: an isolated dlite cache, the CLI run as a real subprocess, one trained micro run for the
+session, a χ² test."""
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
-from dlite_cli.devices import resolve_device
+from dlite_cli.core.devices import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = resolve_device("auto")  # the device policy's choice: tests run there unless they say they need the CPU
@@ -23,21 +28,70 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
+def cli(cache_dir: Path, cwd: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``dlite ARGS`` in ``cwd`` as a separate process (``env``: variables to add); return the CompletedProcess."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dlite_cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200", **(env or {})},
+        timeout=300,
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"dlite {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done
+
+
 @pytest.fixture
 def run_cli(cache_dir, tmp_path):
-    """Run ``dlite ARGS`` in ``tmp_path`` as a separate process (``env``: variables to add); return the CompletedProcess."""
+    """``cli`` in ``tmp_path`` unless ``cwd`` says otherwise."""
 
     def run(*args: str, check: bool = True, cwd: Path = tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
-        done = subprocess.run(
-            [sys.executable, "-m", "dlite_cli", *args],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200", **(env or {})},
-            timeout=300,
-        )
-        if check and done.returncode != 0:
-            raise AssertionError(f"dlite {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-        return done
+        return cli(cache_dir, cwd, *args, check=check, env=env)
 
     return run
+
+
+# The session's micro pipeline: long enough for a kill -9 to land mid-training, on the CPU (where training is bitwise
+# reproducible), with fixed-length proposals (adaptive ones follow the passes' timings; the text is the same either way)
+MICRO_RUN_OPTIONS = ("--set", "train.teacher_epochs=12", "--set", "target.device=cpu", "--set", "decode.adaptive=false")
+
+
+@dataclass
+class MicroRun:
+    """One ``dlite run micro`` (MICRO_RUN_OPTIONS) for the whole session, run in two parts as a user resumes one."""
+
+    directory: Path  # its run directory: every stage done; read it, never write it (``copy`` what a test changes)
+    until: subprocess.CompletedProcess  # dlite run micro --until stable
+    rest: subprocess.CompletedProcess  # dlite run micro --from stable-parallel
+
+    def copy(self, to: Path, stages: tuple[str, ...] = ("regen",)) -> Path:
+        """A run directory at ``to`` holding these stages' folders of this run, as if they had run there."""
+        for stage in stages:
+            shutil.copytree(self.directory / stage, to / stage)
+        return to
+
+
+@pytest.fixture(scope="session")
+def micro_run(cache_dir, tmp_path_factory) -> MicroRun:
+    """The micro pipeline, trained and benched once: the tests that need a finished stage start from a copy of it."""
+    where = tmp_path_factory.mktemp("micro-run")
+    until = cli(cache_dir, where, "run", "micro", *MICRO_RUN_OPTIONS, "--until", "stable")
+    rest = cli(cache_dir, where, "run", "micro", *MICRO_RUN_OPTIONS, "--from", "stable-parallel")
+    return MicroRun(where / "runs" / "micro", until, rest)
+
+
+def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
+    """Pearson's test at level 0.001 (categories with expected count < 5 pooled)."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=len(expected)).float()
+    big = expected * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big] * n, (expected[~big] * n).sum()[None]])
+    keep = wanted > 0
+    statistic = float(((observed[keep] - wanted[keep]) ** 2 / wanted[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = 3.09  # upper 0.001 quantile of the normal; Wilson–Hilferty for the chi-square quantile
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return statistic < critical

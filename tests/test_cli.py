@@ -3,9 +3,9 @@ import re
 import pytest
 import typer.main
 
-from dlite_cli.cli import app
-from dlite_cli.errors import DliteError
 from dlite_cli import vllm_engine
+from dlite_cli.cli import app
+from dlite_cli.core.errors import DliteError
 
 
 def test_help_lists_every_command_with_a_purpose(run_cli):

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import MICRO_RUN_OPTIONS
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,13 +42,12 @@ def tau_columns(run: Path, table: str) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(word in k for word in timing)} for row in rows]
 
 
-def test_micro_pipeline_runs_every_stage_until_and_from_where_asked_then_has_nothing_left_to_do(run_cli, tmp_path):
-    run = tmp_path / "runs" / "micro"
-    until = run_cli("run", "micro", "--until", "stable")
+def test_micro_pipeline_runs_every_stage_until_and_from_where_asked_then_has_nothing_left_to_do(micro_run, run_cli, tmp_path):
+    # the session's micro run was made by `dlite run micro --until stable`, then `--from stable-parallel`
+    until, rest = micro_run.until, micro_run.rest
     assert ran(until.stderr) == ["prepare-target", "regen", "train-teacher", "warmup", "stable"]
-    assert status(run, "stable") == "done" and status(run, "stable-parallel") is None and status(run, "bench") is None
-    rest = run_cli("run", "micro", "--from", "stable-parallel")
     assert ran(rest.stderr) == ["stable-parallel", "bench"]
+    run = micro_run.copy(tmp_path / "runs" / "micro", STAGES)
     assert all(status(run, stage) == "done" for stage in STAGES)
     for table in TABLES:
         assert (run / "bench" / f"{table}.md").stat().st_size > 0
@@ -55,7 +55,7 @@ def test_micro_pipeline_runs_every_stage_until_and_from_where_asked_then_has_not
     assert methods == {"ar", "dlite", "dlite:fixed", "history", "parallel", "ngram", "suffix", "dlite+ngram", "dlite+suffix"}  # every trained drafter was benched
     assert "wall time per stage" in rest.stderr and "total" in rest.stderr
 
-    again = run_cli("run", "micro")
+    again = run_cli("run", "micro", *MICRO_RUN_OPTIONS)
     assert again.stderr.count("(done before)") == len(STAGES)
     assert "already done" in again.stderr and "measured 0" in again.stderr  # the bench reused every measurement
 
@@ -89,12 +89,9 @@ def _kill_when(process: subprocess.Popen, ready, what: str) -> None:
     process.wait()
 
 
-def test_kill_9_anywhere_then_run_again_gives_the_same_tables(run_cli, cache_dir, tmp_path):
-    # long enough to be killed mid-training; on the CPU, where training is bitwise reproducible (CUDA's backward is not);
-    # proposals of fixed length, since adaptive ones follow the timings of the passes (the text is the same either way)
-    options = ["--set", "train.teacher_epochs=12", "--set", "target.device=cpu", "--set", "decode.adaptive=false"]
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    run_cli("run", "micro", *options, "--run-dir", str(reference))
+def test_kill_9_anywhere_then_run_again_gives_the_same_tables(micro_run, run_cli, cache_dir, tmp_path):
+    options = list(MICRO_RUN_OPTIONS)  # the session's micro run is the uninterrupted reference
+    reference, killed = micro_run.directory, tmp_path / "killed"
 
     command = [sys.executable, "-m", "dlite_cli", "run", "micro", *options, "--run-dir", str(killed)]
     env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
@@ -133,13 +130,13 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_a_launched_stage_runs_under_accelerate_and_dies_with_the_runner(run_cli, cache_dir, tmp_path):
+def test_a_launched_stage_runs_under_accelerate_and_dies_with_the_runner(micro_run, run_cli, cache_dir, tmp_path):
     launch = f"accelerate launch --config_file {REPO / 'configs' / 'accelerate' / 'cpu-2proc.yaml'} --main_process_port 29523"
     pipeline = tmp_path / "two-processes.yaml"
     pipeline.write_text(f"target: micro\nstages:\n  - name: regen\n  - name: train-teacher\n    launch: {launch}\n")
-    run = tmp_path / "launched"
-    # ~210 steps, 15 s: it is killed at its first checkpoint (step 2); cpu-2proc.yaml needs the CPU (gloo), whatever GPUs
-    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=30", "--set", "target.device=cpu"]
+    run = micro_run.copy(tmp_path / "launched")  # its regen: done before
+    # ~70 steps: it is killed at its first checkpoint (step 2); cpu-2proc.yaml needs the CPU (gloo), whatever GPUs
+    options = ["--run-dir", str(run), "--set", "train.teacher_epochs=10", "--set", "target.device=cpu"]
     process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "run", str(pipeline), *options], cwd=tmp_path,
                                env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _kill_when(process, lambda: (run / "train-teacher" / "checkpoint" / "state.pt").exists(), "the launched stage checkpointed")

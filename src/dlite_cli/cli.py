@@ -9,10 +9,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from .config import DEFAULT_TARGET, Config, load_config
-from .errors import DliteError
+from .core.config import DEFAULT_TARGET, Config, load_config
+from .core.errors import DliteError
 
 # What a chat request without max_tokens may write.  A slot reserves KV cache for its prompt and this many
 # tokens; the room the context leaves (≈ 40 k for Qwen3) made one such request reserve it on every slot.
@@ -52,8 +51,9 @@ def log(message: str) -> None:
 
 
 def _load(target: str, overrides: list[str] | None) -> Config:
+    config = load_config(target, overrides or [])  # a bad config is refused before the libraries load
     _quiet_libraries()
-    return load_config(target, overrides or [])
+    return config
 
 
 def _run_dir(config: Config, run_dir: Path | None) -> Path:
@@ -63,7 +63,7 @@ def _run_dir(config: Config, run_dir: Path | None) -> Path:
 def _quiet_libraries() -> None:
     """Our own progress bars and messages replace the libraries' per-file bars and warnings (once the torch
     extensions transformers would import are known to load)."""
-    from .devices import check_torch_extensions
+    from .core.devices import check_torch_extensions
 
     check_torch_extensions()
     import transformers
@@ -75,7 +75,7 @@ def _quiet_libraries() -> None:
 @app.command("prepare-target")
 def prepare_target_command(target: TargetOption = DEFAULT_TARGET, set_: SetOption = None) -> None:
     """Materialise the target model as a plain Hugging Face checkpoint (stages also do this when needed)."""
-    from .targets import prepare_target
+    from .models.targets import prepare_target
 
     config = _load(target, set_)
     prepared = prepare_target(config.target, log)
@@ -101,7 +101,7 @@ def regen(
     force: ForceOption = False,
 ) -> None:
     """Regenerate the training responses with the target model (resumable, shardable)."""
-    from .regen import parse_shard, run_regen
+    from .training.regen import parse_shard, run_regen
 
     flags = {
         "regen.backend": backend,
@@ -125,7 +125,7 @@ def regen(
 
 
 def _train(stage: str, target: str, run_dir: Path | None, set_: list[str] | None, force: bool) -> None:
-    from .train import run_stage
+    from .training.train import run_stage
 
     config = _load(target, set_)
     run_stage(config, _run_dir(config, run_dir), stage, force=force, log=log)
@@ -174,54 +174,13 @@ def generate(
     engine: EngineOption = None,
 ) -> None:
     """Decode one prompt with speculative decoding and print the text and its acceptance statistics."""
-    import json
-
-    from .engine import Request, SamplingParams
-    from .regen import chat_prompt_ids
+    from .decoding.engine import SamplingParams
+    from .serve.generate import generate as run_generate
 
     config = _load(target, set_)
     text = sys.stdin.read() if prompt == "-" else prompt
-    decoder, tokenizer, engine = _decoding_engine(config, _run_dir(config, run_dir), drafter, engine or config.decode.engine, max_new_tokens)
-    if raw:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}], config.target.thinking)
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop or ()), seed)
-    (request,) = decoder.run([Request(ids, params)])
-    stats = request.stats.as_dict()
-    if as_json:
-        print(json.dumps({"text": request.text, "finish_reason": request.finish_reason, "drafter": drafter, "engine": engine, **stats}))
-        return
-    print(request.text)
-    acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in stats["acceptance"])
-    # vLLM does not split a step into draft and verify
-    rounds = ("" if engine == "vllm" else f"per round: draft {stats['draft_ms_per_round']:.1f} ms, verify {stats['verify_ms_per_round']:.1f} ms, "
-              f"other {stats['overhead_ms_per_round']:.1f} ms; ")
-    where = "vLLM" if engine == "vllm" else "dlite's engine"
-    log(f"{drafter} in {where}: tau {stats['tau']:.2f} over {stats['rounds']} rounds, {stats['generated_tokens']} tokens "
-        f"({request.finish_reason}); prefill {stats['prefill_ms']:.0f} ms for {stats['prompt_tokens']} tokens; {rounds}"
-        f"acceptance by position: {acceptance or 'n/a'}; {stats['generated_tokens'] / max(stats['decode_seconds'], 1e-9):.1f} tok/s")
-
-
-def _decoding_engine(config, run_dir: Path, drafter: str, setting: str, max_new_tokens: int):
-    """``generate``'s engine for ``--engine`` → (engine, tokenizer, its name): vLLM (auto: where installed) or dlite's own;
-    a drafter vLLM cannot draft with runs in dlite's under auto, said in one line."""
-    from .engine import load_engine
-    from .targets import load_tokenizer, prepare_target
-    from .vllm_engine import choose_engine
-
-    engine = choose_engine(setting, log)
-    if engine == "vllm":
-        from .vllm_engine.engine import load_vllm_engine
-
-        try:
-            return load_vllm_engine(config, run_dir, drafter, log), load_tokenizer(prepare_target(config.target, log)), engine
-        except DliteError as e:
-            if setting == "vllm":
-                raise
-            log(f"{e}: decoding in dlite's own engine instead")
-    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=1, log=log, response_tokens=max_new_tokens)
-    return decoder, tokenizer, "dlite"
+    run_generate(config, _run_dir(config, run_dir), text, drafter, params, raw, as_json, engine or config.decode.engine, log)
 
 
 @app.command()
@@ -244,22 +203,10 @@ def serve(
                                                   "draft with the drafter, else dlite's own server.")] = None,
 ) -> None:
     """Serve the target with speculative decoding behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions)."""
-    from .serve import serve as run_server
-    from .vllm_engine import choose_engine
+    from .serve.serve import serve as run_server
 
     config = _load(target, set_)
-    engine = engine or config.decode.engine
-    if choose_engine(engine, log) == "vllm":
-        from .vllm_engine.engine import serve_vllm
-
-        try:
-            serve_vllm(config, _run_dir(config, run_dir), drafter, host, port, max_batch or config.decode.max_batch, max_queue, max_context,
-                       max_tokens, log)
-        except DliteError as e:
-            if engine == "vllm":
-                raise
-            log(f"{e}: serving with dlite's own engine instead")
-    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, log)
+    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, engine or config.decode.engine, log)
 
 
 @app.command()
@@ -289,7 +236,7 @@ def bench(
     Every measurement is kept under a key of what determines it, so a later plan in the same run directory
     (another suite, more episodes, other methods) measures only what is missing; interrupted, it resumes.
     """
-    from .bench import Bench, plan_from
+    from .bench.bench import Bench, plan_from
 
     config = _load(target, set_)
     plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [],
@@ -305,7 +252,7 @@ def ablate(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None, 
     Each variant is a run directory under RUN/ablations/ that reads the run's regen (run `dlite regen` first); every
     one resumes, so run the command again after an interruption.
     """
-    from .ablations import Study
+    from .bench.ablations import Study
 
     config = _load(target, set_)
     Study(target, set_ or [], _run_dir(config, run_dir), log).run()
@@ -325,18 +272,10 @@ def export(
     The drafter must use the release's conventions (the Qwen3 configs train in them); one that uses a
     dlite-only option (learned placeholders, a reduced draft vocabulary, ...) is refused with the reason.
     """
-    from .drafters import drafter_origin, resolve_drafter_path
-    from .model import Drafter
-    from .release import ARCHITECTURE_VERSION, export_release
-    from .targets import load_target_config, prepare_target
+    from .decoding.drafters import export_drafter
 
-    if format_ != ARCHITECTURE_VERSION:
-        raise DliteError(f"unknown export format {format_!r}: expected {ARCHITECTURE_VERSION}")
     config = _load(target, set_)
-    directory = resolve_drafter_path(drafter, _run_dir(config, run_dir))
-    target_config = load_target_config(prepare_target(config.target, log))
-    export_release(Drafter.load(directory, target_config), target_config, out, str(directory), drafter_origin(directory))
-    log(f"wrote {directory} in the {ARCHITECTURE_VERSION} format to {out}")
+    export_drafter(config, _run_dir(config, run_dir), drafter, out, format_, log)
 
 
 @app.command()
@@ -358,50 +297,14 @@ def profile(
 ) -> None:
     """Time a decode round and a training step at the target's real shapes, with random weights (no download),
     after every stage's memory plan: what it holds at its peak on this device, traced before anything loads."""
-    import dataclasses
-    import json
-
-    from .artifacts import atomic_write_json
-    from .devices import resolve_device
-    from .profile import Profiler, default_plan, render
+    from .bench.profile import print_memory_plans, run_profile
 
     config = _load(target, set_)
     if memory is not None:
-        _memory_plans(config, memory)
-        return
-    device = resolve_device(config.target.device)
-    plan = default_plan(config, device)
+        return print_memory_plans(config, memory, log)
     choices = {"contexts": _numbers("--contexts", contexts, int), "batches": _numbers("--batches", batches, int),
                "widths": _numbers("--widths", widths, int), "taus": _numbers("--tau", tau, float), "repeats": repeats, "train_steps": train_steps}
-    plan = dataclasses.replace(plan, **{k: v for k, v in choices.items() if v is not None})
-    from .vllm_engine import choose_engine
-
-    result = Profiler(config, plan, log, vllm=choose_engine(engine or config.decode.engine, log) == "vllm").run()
-    path = out or Path("runs") / config.name / f"profile-{device.type}.json"
-    atomic_write_json(path, result)
-    if as_json:
-        print(json.dumps(result))
-    else:
-        for table in render(result):
-            Console().print(table)
-    for skipped in result["skipped"]:
-        what = skipped.get("stage") or f"batch {skipped['batch']} at context {skipped['context']}"
-        log(f"skipped {what}: {skipped['reason']}")
-    log(f"profile written to {path}")
-
-
-def _memory_plans(config, gigabytes: float) -> None:
-    """`dlite profile --memory GB`: every stage's plan on a simulated GPU with that much free; refused if one does not fit."""
-    from .memory import GB, architecture, stage_plans
-    from .profile import memory_table
-
-    capacity = int(gigabytes * GB)
-    plans = stage_plans(config, architecture(config), "cuda", capacity)
-    Console().print(memory_table(plans, capacity, f"a simulated {gigabytes:g} GB GPU"))
-    too_big = [p.describe() for p in plans if not p.fits(capacity)]
-    if too_big:
-        raise DliteError(f"{'; '.join(too_big)}: more than a {gigabytes:g} GB GPU has room for")
-    log(f"every stage of {config.name} fits a {gigabytes:g} GB GPU")
+    run_profile(config, choices, out, as_json, engine or config.decode.engine, log)
 
 
 def _numbers(option: str, text: str | None, kind):
@@ -430,8 +333,8 @@ def run_command(
 
     PIPELINE is a name in pipelines/ (smollm2-135m, micro, qwen3-4b, qwen3-8b) or a YAML path.
     """
-    from .config import load_pipeline
-    from .pipeline import run_pipeline, timing_rows
+    from .core.config import load_pipeline
+    from .pipeline import run_pipeline, timing_table
 
     chosen = load_pipeline(pipeline)
     config = _load(chosen.target, set_)
@@ -440,14 +343,7 @@ def run_command(
     timings = run_pipeline(chosen, typer.main.get_command(app), directory, set_ or [], first, last, dry_run, log)
     if dry_run:
         return
-    table = Table(title=f"dlite run {chosen.name}: wall time per stage ({directory})")
-    for column in ("stage", "time", "share", "disk"):
-        table.add_column(column, justify="left" if column == "stage" else "right")
-    for row in timing_rows(timings, directory):
-        seconds = row["seconds"]
-        shown = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.1f} min"
-        table.add_row(row["stage"], shown, f"{100 * row['share']:.0f} %", _human_bytes(row["size"]) if row["size"] else "")
-    console.print(table)
+    Console(stderr=True).print(timing_table(chosen.name, timings, directory))
     for stage in chosen.stages:
         summary = directory / stage.name / "summary.md"
         if summary.is_file():
@@ -461,25 +357,9 @@ def status(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say what produced each stage: its config and target hashes, and when.")] = False,
 ) -> None:
     """Show each stage of a run directory: done, partial (with progress) or missing, its size and time."""
-    from .artifacts import stage_rows
+    from .core.artifacts import status_lines
 
-    directory = _run_dir(load_config(target), run_dir)
-    rows = stage_rows(directory)
-    table = Table(title=f"dlite run {directory}")
-    for column in ("stage", "status", "progress", "size", "time"):
-        table.add_column(column, no_wrap=True, justify="right" if column in ("size", "time") else "left")
-    colours = {"done": "green", "partial": "yellow", "missing": "dim"}
-    for row in rows:
-        status_text = f"[{colours[row['status']]}]{row['status']}[/]"
-        size = _human_bytes(row["size"]) if row["size"] else ""
-        seconds = f"{row['seconds']:.0f} s" if row["seconds"] is not None else ""
-        table.add_row(row["stage"], status_text, row["progress"], size, seconds)
-    console = Console()
-    console.print(table)
-    if verbose:
-        for row in rows:
-            if row["produced_by"]:
-                console.print(f"{row['stage']}: {row['produced_by']}", markup=False)
+    Console().print(*status_lines(_run_dir(load_config(target), run_dir), verbose))
 
 
 @app.command()
@@ -488,32 +368,13 @@ def precision(
 ) -> None:
     """List the precision decisions this machine remembers (auto dtypes and autocast): each option's median time,
     the rounds, their spread, the other processes' load while timing, and whether it will be measured again."""
-    from .precision import forget as forget_all, records_dir, remembered
+    from .core.precision import decisions_table, records_dir
+    from .core.precision import forget as forget_all
 
     if forget:
         log(f"forgot {forget_all()} precision decisions in {records_dir()}")
         return
-    table = Table(title=f"precision decisions remembered in {records_dir()}")
-    for column in ("setting", "work", "choice", "median ms", "rounds", "spread", "load", "measured", "again"):
-        table.add_column(column, overflow="fold")
-    for record, decision in remembered():
-        if decision is None:
-            table.add_row(record.stem, "(from an older dlite: measured again when next needed)", *[""] * 6, "yes")
-            continue
-        medians = ", ".join(f"{option} {ms:.1f}" for option, ms in decision.ms.items())
-        load = "" if decision.load is None else f"{decision.load:.0%}"
-        table.add_row(decision.setting, decision.work, decision.choice, medians, str(len(decision.rounds)),
-                      f"{decision.spread:.0%}", load, decision.measured_at, "no" if decision.settled else "yes")
-    Console().print(table)
-
-
-def _human_bytes(size: float) -> str:
-    if size < 1000:
-        return f"{size:.0f} B"
-    for unit in ("KB", "MB", "GB"):
-        size /= 1000
-        if size < 1000 or unit == "GB":
-            return f"{size:.1f} {unit}"
+    Console().print(decisions_table())
 
 
 def main() -> None:

@@ -24,9 +24,9 @@ from typing import Callable
 import typer
 from typer.core import TyperGroup
 
-from .artifacts import STAGES, Stage, dir_size, run_dir_lock
-from .config import Pipeline, PipelineStage
-from .errors import DliteError
+from .core.artifacts import STAGES, Stage, dir_size, human_bytes, run_dir_lock
+from .core.config import Pipeline, PipelineStage
+from .core.errors import DliteError
 
 
 @dataclass
@@ -135,3 +135,17 @@ def timing_rows(timings: list[StageTiming], run_dir: Path) -> list[dict]:
     rows = [{"stage": t.name + (" (done before)" if t.already_done else ""), "seconds": t.seconds,
              "share": t.seconds / total if total else 0.0, "size": dir_size(run_dir / t.name)} for t in timings]
     return rows + [{"stage": "total", "seconds": total, "share": 1.0, "size": dir_size(run_dir)}]
+
+
+def timing_table(name: str, timings: list[StageTiming], run_dir: Path):
+    """``dlite run``'s closing table (rich): each stage's wall time, its share and its size on disk."""
+    from rich.table import Table
+
+    table = Table(title=f"dlite run {name}: wall time per stage ({run_dir})")
+    for column in ("stage", "time", "share", "disk"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for row in timing_rows(timings, run_dir):
+        seconds = row["seconds"]
+        shown = f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+        table.add_row(row["stage"], shown, f"{100 * row['share']:.0f} %", human_bytes(row["size"]) if row["size"] else "")
+    return table

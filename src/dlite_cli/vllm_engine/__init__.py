@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 
-from ..errors import DliteError
+from ..core.errors import DliteError
 
 SUPPORTED_VLLM = "0.32."
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -73,7 +73,7 @@ def choose_engine(setting: str, log=print) -> str:
 def is_dlite_drafter(model) -> bool:
     """Whether ``model`` (a speculative config's ``model``) names a DLite checkpoint (dlite's or the release's) as dlite
     names drafters: its directory, maybe with ``+ngram`` (paired with prompt lookup) or ``:fixed`` (always K proposals)."""
-    from ..release import is_release
+    from ..models.release import is_release
     from .proposer import drafter_directory
 
     config = drafter_directory(model) / "config.json" if isinstance(model, str) else None
@@ -86,7 +86,7 @@ def is_dlite_drafter(model) -> bool:
 def checked_spec(model: str, target_config, draft_tokens: int | None = None):
     """The DrafterSpec of the DLite drafter ``model`` names (no weights read), refused in one sentence where vLLM cannot
     draft with it: built for another target, keeping a draft history, or asked for ``draft_tokens`` other than its K."""
-    from ..model import load_spec
+    from ..models.release import load_spec
     from .proposer import drafter_directory
 
     directory = drafter_directory(model)
@@ -106,7 +106,7 @@ def check_version(version: str) -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: hook vLLM so that a DLite directory drafts (see the module's docstring).
     Under another vLLM version only the refusal is hooked: a DLite drafter named to it is refused in one sentence."""
-    from ..devices import check_torch_extensions
+    from ..core.devices import check_torch_extensions
 
     check_torch_extensions()
     import vllm

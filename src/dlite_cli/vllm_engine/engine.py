@@ -18,10 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-from ..drafters import FIXED_SUFFIX, NGRAM_PAIRING, SUFFIX_PAIRING, resolve_drafter_path, split_fixed, split_lookup, suffix_cache_class
-from ..engine import Request, Stats
-from ..config import SuffixConfig
-from ..errors import DliteError
+from ..core.config import SuffixConfig
+from ..core.errors import DliteError
+from ..decoding.drafters import FIXED_SUFFIX, NGRAM_PAIRING, SUFFIX_PAIRING, resolve_drafter_path, split_fixed, split_lookup, suffix_cache_class
+from ..decoding.engine import Request, Stats
 from . import INSTALL, check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -162,8 +162,8 @@ class VllmEngine:
 def decoding_dtype(config, log=print) -> str:
     """The dtype dlite's engine decodes the target in (``target.dtype``, auto as precision.py measures it), which vLLM
     is given too, so that both engines decode the same numbers."""
-    from ..devices import resolve_device
-    from ..targets import Work, prepare_target, resolved_dtype
+    from ..core.devices import resolve_device
+    from ..models.targets import Work, prepare_target, resolved_dtype
 
     device = resolve_device(config.target.device)
     return resolved_dtype(prepare_target(config.target, log), config.target.dtype, device, log, Work.decoding(config))
@@ -172,7 +172,7 @@ def decoding_dtype(config, log=print) -> str:
 def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngine:
     """A vLLM engine on the target dlite prepared, drafting with ``drafter`` (as dlite names drafters); what vLLM cannot
     draft with is refused in one sentence."""
-    from ..targets import load_target_config, prepare_target
+    from ..models.targets import load_target_config, prepare_target
 
     prepared = prepare_target(config.target, log)
     _, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
@@ -182,7 +182,7 @@ def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngi
 def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_batch: int, max_queue: int, max_context: int | None,
                max_tokens: int, log=print) -> None:
     """``dlite serve --engine vllm``: replace this process with vLLM's OpenAI server on the target, drafting with ``drafter``."""
-    from ..targets import load_target_config, prepare_target
+    from ..models.targets import load_target_config, prepare_target
 
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)

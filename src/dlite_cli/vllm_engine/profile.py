@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..model import Drafter
+from ..models.model import Drafter
 from .engine import import_vllm
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ..adaptive import VerifyCosts
-from ..config import SuffixConfig
-from ..drafters import DLiteAdapter, HybridDrafter, copying_drafter, split_fixed, split_lookup
-from ..engine import Request, SamplingParams, SamplingPick, probabilities
-from ..model import Drafter, greedy_pick
+from ..core.config import SuffixConfig
+from ..decoding.adaptive import VerifyCosts
+from ..decoding.drafters import DLiteAdapter, HybridDrafter, copying_drafter, split_fixed, split_lookup
+from ..decoding.engine import Request, SamplingParams, SamplingPick, probabilities
+from ..models.model import greedy_pick
+from ..models.release import load_drafter
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM marks greedy rows with a temperature at or below this
 
@@ -58,7 +59,7 @@ class DLiteProposer:
         base, self.adaptive = split_fixed(self.name)
         self.pairing = split_lookup(base)[1]  # "", "ngram" or "suffix"
         self.suffix = SuffixConfig(**{f.name: getattr(spec_config, f"suffix_decoding_{f.name}") for f in dataclasses.fields(SuffixConfig)})
-        self.drafter = Drafter.load(drafter_directory(self.name), vllm_config.model_config.hf_config).eval()  # checked_spec passed when vLLM built its config
+        self.drafter = load_drafter(drafter_directory(self.name), vllm_config.model_config.hf_config).eval()  # checked_spec passed when vLLM built its config
         spec = self.drafter.spec
         self.probabilistic = spec_config.draft_sample_method == "probabilistic"
         self.num_layers = spec.target_num_layers

@@ -1,0 +1,434 @@
+"""Speculative decoding for a continuous batch of requests: prefill, draft, verify, accept.
+
+One round, for the B active rows (each row is a Request):
+
+    draft    the drafter proposes up to K tokens d_1..d_K after each row's anchor (drafters.py)
+    verify   the target runs [anchor, d_1..d_L] of every row in one batched pass (runner.py)
+    accept   greedy: the longest prefix equal to the target's argmax, plus the target's next token;
+             sampling: speculative rejection sampling, so the output is distributed exactly as the
+             target's own samples.  Each row keeps its own count n; its KV cache is cut back to the
+             accepted length, the target state at the last accepted position becomes the new pivot
+             and the target's extra token the new anchor.
+
+A row leaves on EOS, a stop string or its token budget, and a waiting request is prefilled into
+its slot before the next round (continuous batching).  τ = tokens committed per verify round.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.devices import now
+from ..core.errors import DliteError
+from ..models.graphs import CAPTURES
+from ..models.model import greedy_pick
+from ..models.runner import TargetRunner, decode_path, pass_width
+from .adaptive import VerifyCosts
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise DliteError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise DliteError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DliteError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DliteError(f"top_k must be ≥ 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Stats:
+    """Decoding counters of one request, or of a whole engine (then times are per batched step)."""
+
+    draft_tokens: int = 0  # K
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0  # of those, found in the slot's cache and not computed again
+    generated_tokens: int = 0
+    rounds: int = 0  # verify rounds, per row
+    committed: int = 0  # tokens accepted by those rounds (accepted drafts + the target's own token)
+    steps: int = 0  # batched verify passes the times below cover
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    overhead_seconds: float = 0.0  # acceptance and bookkeeping between the two
+    capture_seconds: float = 0.0  # CUDA graphs captured during the rounds: taken out of the times above
+    draft_kv_bytes: int = 0  # peak draft-side KV cache (0 for DLite)
+    proposed: list[int] = field(default_factory=list)  # per draft position: rounds that proposed it
+    accepted: list[int] = field(default_factory=list)  # … and that accepted it
+
+    def __post_init__(self):
+        self.proposed = self.proposed or [0] * self.draft_tokens
+        self.accepted = self.accepted or [0] * self.draft_tokens
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.rounds if self.rounds else 1.0
+
+    def as_dict(self) -> dict:
+        def per_step(seconds: float) -> float:
+            return round(1000 * seconds / self.steps, 3) if self.steps else 0.0
+
+        return {
+            "tau": round(self.tau, 4),
+            "prompt_tokens": self.prompt_tokens,
+            "reused_prompt_tokens": self.reused_prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "rounds": self.rounds,
+            "acceptance": [round(a / p, 4) if p else None for a, p in zip(self.accepted, self.proposed)],
+            "prefill_ms": round(1000 * self.prefill_seconds, 3),
+            "draft_ms_per_round": per_step(self.draft_seconds),
+            "verify_ms_per_round": per_step(self.verify_seconds),
+            "overhead_ms_per_round": per_step(self.overhead_seconds),
+            "decode_seconds": round(self.draft_seconds + self.verify_seconds + self.overhead_seconds, 4),
+            "capture_seconds": round(self.capture_seconds, 4),
+            "draft_kv_bytes": self.draft_kv_bytes,
+        }
+
+
+@dataclass(eq=False)  # compared by identity: a request is one live object
+class Request:
+    """One sequence: its prompt and parameters, then (filled by the engine) its output and state."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)  # the anchor is the last one while decoding
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | cancelled
+    stats: Stats | None = None
+    slot: int = -1
+    pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def anchor(self) -> int:
+        return self.output_ids[-1]
+
+    def last_tokens(self, count: int) -> list[int]:
+        """The last ``count`` tokens, the anchor last (the first one repeated where the sequence is shorter)."""
+        tail = (self.prompt_ids[-count:] + self.output_ids[-count:])[-count:]
+        return [tail[0]] * (count - len(tail)) + tail
+
+    @property
+    def position(self) -> int:
+        """The anchor's absolute position (the tokens before it are in the target's cache)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits (..., V) → the distribution to sample from, after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where to sample after rejecting a draft: norm(max(p − q, 0)) (p, q (V,))."""
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def accept_sampled(target_logits, drafts, draft_logits, params, generator) -> tuple[int, int]:
+    """Speculative rejection sampling for one row.
+
+    target_logits (L+1, V); drafts (L,); draft_logits (L, V) or None for certain proposals.
+    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
+    next token comes from the residual; if all L are kept, from p_{L+1}.  → (accepted n, next token).
+    """
+    p = probabilities(target_logits.cpu(), params)
+    if draft_logits is None:
+        q = torch.nn.functional.one_hot(drafts.cpu(), p.shape[-1]).float()
+    else:
+        q = probabilities(draft_logits.cpu(), params)
+    for i, token in enumerate(drafts.tolist()):
+        if torch.rand((), generator=generator) * q[i, token] < p[i, token]:
+            continue
+        return i, sample(residual_distribution(p[i], q[i]), generator)
+    return len(drafts), sample(p[len(drafts)], generator)
+
+
+def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """choice (B, L+1) the target's argmax, draft (B, L), lengths (B,) → accepted n (B,), next tokens (B,)."""
+    L = draft.shape[1]
+    agree = (draft == choice[:, :L]) & (torch.arange(L, device=draft.device) < lengths[:, None])
+    n = agree.long().cumprod(dim=1).sum(dim=1)
+    return n, choice.gather(1, n[:, None])[:, 0]
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class Engine:
+    """Continuous batching over a TargetRunner's slots with one drafter (drafters.py)."""
+
+    def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False):
+        """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot.
+        ``adaptive``: the drafter proposes only what pays for its verify, at the verify and draft costs measured
+        here (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
+        self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
+        if adaptive and drafter.draft_tokens:
+            drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1), padded=runner.width))
+        self.free = list(range(runner.slots))
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.stats = Stats(drafter.draft_tokens)
+
+    def validate(self, request: Request) -> None:
+        """Refuse, in one sentence, a request that can never be decoded (changes nothing: thread-safe)."""
+        request.params.check()
+        need = len(request.prompt_ids) + self.drafter.draft_tokens + 2
+        if not request.prompt_ids:
+            raise DliteError("the prompt is empty")
+        if need > self.runner.capacity:
+            raise DliteError(
+                f"the prompt has {len(request.prompt_ids)} tokens; with {self.drafter.draft_tokens} draft tokens it needs "
+                f"{need} of KV cache, more than the engine's {self.runner.capacity}"
+            )
+
+    def room(self, prompt_tokens: int) -> int:
+        """New tokens a prompt of this length leaves room for."""
+        return self.runner.capacity - prompt_tokens - self.drafter.draft_tokens - 2
+
+    def add(self, request: Request) -> None:
+        """Queue a request (validated first)."""
+        self.validate(request)
+        request.stats = Stats(self.drafter.draft_tokens, prompt_tokens=len(request.prompt_ids))
+        seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
+        request.generator = torch.Generator().manual_seed(seed)
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Decode ``requests`` to the end (they join as slots free up) and return them."""
+        for request in requests:
+            self.add(request)
+        while self.busy:
+            self.step()
+        return requests
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests into free slots, then one round for every active row.
+        → the requests that received tokens (or finished)."""
+        updated = []
+        while self.waiting and self.free:
+            request = self.waiting.popleft()
+            self._prefill(request)
+            updated.append(request)
+        if self.active:
+            updated += self._round(list(self.active))
+        return list(dict.fromkeys(updated))
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request at once (a client went away), freeing its slot."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+            request.finish_reason = "cancelled"
+        elif request in self.active:
+            self._finish(request, "cancelled")
+
+    # ----- prefill, draft, verify, accept
+
+    def _prefill(self, request: Request) -> None:
+        start = now(self.runner.device)
+        request.slot = min(self.free)  # the lowest: a fixed-shape pass covers the slots up to the highest in use
+        self.free.remove(request.slot)
+        reach = len(request.prompt_ids) + request.params.max_new_tokens + self.drafter.draft_tokens + 1
+        logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, self.drafter.needs_all_features, reach)
+        first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
+        request.pivot = features[-1]
+        self.active.append(request)
+        self.drafter.begin(request, features)
+        seconds = now(self.runner.device) - start
+        request.stats.prefill_seconds += seconds
+        self.stats.prefill_seconds += seconds
+        self.stats.prompt_tokens += len(request.prompt_ids)
+        for stats in (request.stats, self.stats):
+            stats.reused_prompt_tokens += reused
+        self._emit(request, [first])
+
+    def _round(self, rows: list[Request]) -> list[Request]:
+        device = self.runner.device
+        t0, c0 = now(device), CAPTURES.seconds
+        draft = self.drafter.propose(rows, self._picker(rows))
+        width = max(draft.lengths)  # the static path pads the pass to its fixed width
+        anchors = torch.tensor([[row.anchor] for row in rows], device=device)
+        tokens = torch.cat([anchors, draft.tokens[:, :width].to(device)], dim=1)  # (B, 1 + width)
+        t1, c1 = now(device), CAPTURES.seconds
+        logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
+        t2, c2 = now(device), CAPTURES.seconds
+        draft_seconds, verify_seconds = t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1)  # a graph's capture is not the round's work
+        if self.drafter.costs is not None:  # what a pass of this width over these rows costs at their contexts
+            self.drafter.costs.at(len(rows)).observe(tokens.shape[1], 1000 * verify_seconds)
+        greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
+        # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
+        read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
+        outcomes = []  # (accepted n, next token) per row
+        for b, row in enumerate(rows):
+            n, next_token = read[b][0], read[b][1]
+            if not row.params.greedy:
+                L = draft.lengths[b]
+                draft_logits = draft.logits[b, :L] if draft.logits is not None else None
+                n, next_token = accept_sampled(logits[index[b], : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
+            outcomes.append((n, next_token))
+            self.drafter.observe(row, n, next_token if row.params.greedy else None)
+            self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
+            for stats in (row.stats, self.stats):
+                stats.rounds += 1
+                stats.committed += n + 1
+                for i in range(draft.lengths[b]):
+                    stats.proposed[i] += 1
+                    stats.accepted[i] += i < n
+        accepted = torch.tensor([n for n, _ in outcomes], device=device)
+        pivots = features[index, accepted]  # (B, S, H): the target's states at each row's last accepted position
+        extend_seconds = 0.0
+        for b, (row, (n, next_token)) in enumerate(zip(rows, outcomes)):
+            if self.drafter.needs_all_features:  # the old pivot, the anchor and all accepted drafts but the last are history now
+                start = now(device)
+                self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], :n]]))
+                extend_seconds += now(device) - start  # draft-KV upkeep is draft time, on the same synchronised clock
+            row.pivot = pivots[b]
+            self._emit(row, read[b][3 : 3 + n] + [next_token])
+        t3 = now(device)
+        draft_kv = 0
+        for row in rows:
+            kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0
+            row.stats.draft_kv_bytes = max(row.stats.draft_kv_bytes, kv)
+            draft_kv += kv
+        self.stats.draft_kv_bytes = max(self.stats.draft_kv_bytes, draft_kv)
+        for stats in [row.stats for row in rows] + [self.stats]:
+            stats.steps += 1
+            stats.draft_seconds += draft_seconds + extend_seconds
+            stats.verify_seconds += verify_seconds
+            stats.overhead_seconds += t3 - t2 - extend_seconds
+            stats.capture_seconds += c2 - c0
+        return rows
+
+    def _picker(self, rows: list[Request]):
+        """How the drafter chooses each proposal: argmax if every row is greedy, else a :class:`SamplingPick`."""
+        return greedy_pick if all(row.params.greedy for row in rows) else SamplingPick(rows)
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""
+        params = request.params
+        for token in tokens:
+            request.output_ids.append(token)
+            request.stats.generated_tokens += 1
+            self.stats.generated_tokens += 1
+            if token in self.eos_ids:
+                return self._finish(request, "stop")
+            if len(request.output_ids) >= params.max_new_tokens:
+                return self._finish(request, "length")
+        if params.stop:
+            text = self.detokenize(request.output_ids)
+            if any(stop in text for stop in params.stop):
+                return self._finish(request, "stop")
+        if request.position + self.drafter.draft_tokens + 1 > self.runner.capacity:
+            return self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        request.text = self.text_of(request)
+        self.active.remove(request)
+        self.drafter.end(request)
+        self.free.append(request.slot)
+
+    def text_of(self, request: Request) -> str:
+        """The output text so far: without the EOS token and cut before the first stop string."""
+        ids = request.output_ids[:-1] if request.output_ids and request.output_ids[-1] in self.eos_ids else request.output_ids
+        text = self.detokenize(ids)
+        cuts = [text.find(stop) for stop in request.params.stop if stop in text]
+        return text[: min(cuts)] if cuts else text
+
+
+@dataclass
+class SamplingPick:
+    """A drafter's choice of each proposal for ``rows``: logits (B, V), row b of them ``rows[b]``'s → (B,) a sample
+    from the tempered/top-k/top-p distribution the target will use for that row, with its generator (argmax for a
+    greedy row).  A drafter that drafts only some rows picks for them with :meth:`subset`."""
+
+    rows: list
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        chosen = logits.argmax(-1)
+        for b, row in enumerate(self.rows):
+            if not row.params.greedy:
+                chosen[b] = sample(probabilities(logits[b], row.params), row.generator)
+        return chosen
+
+    def subset(self, indices: list[int]) -> "SamplingPick":
+        """The pick for ``rows[i]`` for each i in ``indices``, in that order."""
+        return SamplingPick([self.rows[i] for i in indices])
+
+
+def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print, response_tokens: int = 0):
+    """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
+    ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length, or as much of
+    it as the device has room for (memory.engine_context: planned before the target loads, suffix decoding's trees
+    for responses of ``response_tokens``)."""
+    from ..core.devices import resolve_device
+    from ..models.targets import Work, load_target, load_target_config, prepare_target
+    from .decoding_plan import engine_context
+    from .drafters import load_proposer, resolve_drafter_path, split_fixed
+
+    decode = config.decode
+    slots = slots or decode.max_batch
+    capacity = engine_context(config, load_target_config(prepare_target(config.target, log)), drafter, slots, capacity,
+                              resolve_device(config.target.device), log, response_tokens)
+    if split_fixed(drafter)[0] not in ("none", "ngram", "suffix"):
+        resolve_drafter_path(split_fixed(drafter)[0], run_dir)  # an unknown or missing drafter is refused before the target loads
+    model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
+    path = decode_path(decode.path, model.device, model.dtype)
+    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
+    width = pass_width(proposer.draft_tokens, model.dtype)
+    runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
+    adaptive = decode.adaptive and split_fixed(drafter)[1]
+    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer
+
+
+def stop_tokens_and_text(model, tokenizer) -> tuple[set[int], object]:
+    """An Engine's ``eos_ids`` and ``detokenize`` for a target: the tokenizer's EOS plus the generation
+    config's, and decoding without special tokens."""
+    configured = model.generation_config.eos_token_id
+    eos = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
+    return eos, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

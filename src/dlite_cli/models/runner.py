@@ -1,0 +1,285 @@
+"""The target side of speculative decoding: a forward pass over a Hugging Face Llama/Qwen3 model's own
+weights with a KV cache in which every row (slot) has its own length.
+
+    keys[l], values[l]   (slots, kv_heads, allocated, head_dim) per target layer l; allocated grows
+                         by doubling up to ``capacity``, the longest sequence the runner accepts
+    cached[slot]         the token ids whose keys/values that slot holds
+    features[slot]       (n, S, H): the drafter's layers at the slot's first n positions, n <= its length,
+                         kept from prefills that return every position's (a history drafter's), so that
+                         the next turn of a conversation computes only its new tokens there too
+
+``verify(slots, tokens)`` runs ``tokens`` (B, Q) after each slot's held tokens and returns logits
+and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then records which of them the
+slot keeps (the accepted ones: entries beyond a slot's length are masked now and overwritten later).
+Rows of different lengths share one batched pass, which is what lets each row accept its own number
+of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused and oneDNN-packed).  Two ways to run a pass (``decode.path``):
+
+    eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
+    static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), ``width``
+             tokens (a row's own, then padding), keys over the whole allocation under a mask built on
+             the device from the slots' lengths; with ``graphs`` each (bucket, width, allocation)
+             pass is a replayed CUDA graph
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.devices import median_ms
+from ..core.errors import DliteError
+from .graphs import CudaGraphs, bucket_for
+from .linears import target_linears
+from .model import SUPPORTED_FAMILIES, apply_rope, grouped_attention
+
+INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
+SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
+COST_CONTEXT = 512  # context the verify costs are measured at (adaptive drafting, target.dtype auto)
+PATHS = ("eager", "static", "graphs")
+
+
+def decode_path(setting: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``decode.path`` → the path to run.  auto: graphs on CUDA; on a CPU eager in float32 and static in a
+    lower precision, whose matmuls and attention round differently for passes of different shapes: only
+    fixed shapes give every method the same greedy text (see :func:`pass_width`)."""
+    if setting == "auto":
+        return "graphs" if device.type == "cuda" else "eager" if dtype == torch.float32 else "static"
+    return setting
+
+
+def pass_width(draft_tokens: int, dtype: torch.dtype) -> int:
+    """The fewest tokens in a decode pass: 1 in float32, K + 1 in a lower precision, for the same reason
+    (where such a precision is the fast one, a wider pass costs about the same: a CPU with bf16, a GPU)."""
+    return 1 if dtype == torch.float32 else draft_tokens + 1
+
+
+class TargetRunner:
+    """A target model (``AutoModelForCausalLM``, eval mode) prepared for batched, rollback-able decoding."""
+
+    def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager",
+                 width: int = 1, keep_features: bool = True):
+        """``width``: the fewest tokens in a decode pass (a row's own, then padding).  K + 1 makes plain
+        decoding and every drafter compute each position with the same shapes: in a lower precision,
+        whose matmuls round by shape, that is what gives them the same greedy text.  ``keep_features``:
+        keep a prefill's features for a next turn (not worth their memory where requests have one turn)."""
+        config = model.config
+        if config.model_type not in SUPPORTED_FAMILIES:
+            raise DliteError(f"target family {config.model_type!r} is not supported by the decoding engine: expected one of {', '.join(SUPPORTED_FAMILIES)}")
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise DliteError("targets with sliding-window attention layers are not supported by the decoding engine")
+        if path not in PATHS:
+            raise DliteError(f"unknown decode path {path!r}: expected one of {', '.join(PATHS)}")
+        parameter = next(model.parameters())
+        if path == "graphs" and parameter.device.type != "cuda":
+            raise DliteError(f"decode.path graphs needs the target on a CUDA device, and it is on {parameter.device}; use eager or static")
+        self.model, self.capture_layers, self.path, self.width = model, sorted(capture_layers), path, width
+        self.capacity, self.prefill_chunk = capacity, prefill_chunk
+        self.layers = model.model.layers
+        self.linears = target_linears(model)
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.kv_heads = config.num_key_value_heads
+        shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
+        self.features: list[torch.Tensor | None] = [None] * slots  # (n, S, H) at each slot's first n positions
+        self.keep_features = keep_features
+        self.reach = [0] * slots  # the most tokens each slot's request may come to hold (0: unknown)
+        self.graphs = CudaGraphs(enabled=path == "graphs")
+        self._verify_costs: list[float] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(tokens.to(self.device))
+
+    @property
+    def slots(self) -> int:
+        return len(self.cached)
+
+    def length(self, slot: int) -> int:
+        return len(self.cached[slot])
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` tokens."""
+        del self.cached[slot][length:]
+        if self.features[slot] is not None:
+            self.features[slot] = self.features[slot][:length]
+
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        """``slot`` keeps ``tokens``, the first of those the last pass ran after its held tokens."""
+        self.cached[slot] += tokens
+
+    @torch.no_grad()
+    def prefill(self, slot: int, prompt: list[int], all_features: bool, reach: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Start ``slot`` on ``prompt`` → logits at the last position (V,), features (P, S, H) at every
+        position if ``all_features`` else (1, S, H) at the last one, and how many prompt tokens were reused.
+
+        The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
+        a shared system prompt) is kept and only the rest is computed, in chunks (eagerly, on every
+        path); where every position's features are needed, the prefix whose features the slot kept.
+        ``reach``: the most tokens the request may come to hold (prompt, token budget, a last draft),
+        which the static path sizes its passes by."""
+        self.reach[slot] = reach
+        held, kept = self.cached[slot], self.features[slot]
+        reusable = min(len(held), len(prompt) - 1)
+        if all_features:
+            reusable = min(reusable, 0 if kept is None else len(kept))
+        reused = 0
+        while reused < reusable and held[reused] == prompt[reused]:
+            reused += 1
+        if self.keys[0].dtype != torch.float32:
+            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
+            # which lower precisions need for the same result (their matmuls round by shape)
+            reused -= reused % self.prefill_chunk
+        self.truncate(slot, reused)
+        features = [self.features[slot]] if all_features and reused else []
+        for start in range(reused, len(prompt), self.prefill_chunk):
+            chunk = prompt[start : start + self.prefill_chunk]
+            logits, chunk_features = self.forward([slot], torch.tensor([chunk], device=self.device), logits_at_last=True, features_at_last=not all_features)
+            self.commit(slot, chunk)
+            features.append(chunk_features[0])
+        if not all_features:
+            return logits[0, -1], features[-1], reused
+        features = torch.cat(features)
+        if self.keep_features:
+            self.features[slot] = features
+        return logits[0, -1], features, reused
+
+    def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
+        features (B', Q, S, H) and ``index`` (B,): row b's outputs are row index[b] (B' = B when eager,
+        the bucket when static).  Nothing is kept until ``commit``."""
+        if tokens.shape[1] < self.width:  # padding after each row's own tokens: computed, never kept
+            tokens = F.pad(tokens, (0, self.width - tokens.shape[1]))
+        if self.path == "eager":
+            logits, features = self.forward(slots, tokens)
+            return logits, features, torch.arange(len(slots), device=self.device)
+        return self._forward_static(slots, tokens)
+
+    def verify_costs(self, widths: int, context: int = COST_CONTEXT, repeats: int = 5) -> list[float]:
+        """ms of a pass of 1..``widths`` tokens at batch 1 after ``context`` tokens, measured once per runner
+        (on slot 0, emptied afterwards)."""
+        if len(self._verify_costs) < widths:
+            self.commit(0, [0] * min(context, self.capacity - widths))
+            # passes padded to ``width`` tokens cost the same: measured once, not as noise between equals
+            measured = self.pass_costs([0], list(range(min(widths, self.width), widths + 1)), repeats)
+            self._verify_costs = [measured[0]] * (min(widths, self.width) - 1) + measured
+            self.truncate(0, 0)
+        return self._verify_costs[:widths]
+
+    def pass_costs(self, slots: list[int], widths: list[int], repeats: int) -> list[float]:
+        """ms of a verify of each width for ``slots`` after the tokens they hold (median of ``repeats``):
+        what a round costs here against the tokens it proposes."""
+        costs = []
+        for width in widths:
+            tokens = torch.zeros(len(slots), width, dtype=torch.long, device=self.device)
+            costs.append(median_ms(lambda: self.verify(slots, tokens), repeats, self.device))
+        return costs
+
+    @torch.no_grad()
+    def forward(self, slots: list[int], tokens: torch.Tensor, logits_at_last: bool = False, features_at_last: bool = False):
+        """The eager pass: ``tokens`` (B, Q) after ``slots``' held tokens → logits (B, Q or 1, V) and
+        features (B, Q or 1, S, H) (S = 0 when no layer is captured)."""
+        B, Q = tokens.shape
+        starts = torch.tensor([self.length(s) for s in slots], device=self.device)
+        span = int(starts.max()) + Q
+        self._check(span)
+        self._reserve(span)
+        positions = starts[:, None] + torch.arange(Q, device=self.device)  # (B, Q)
+        mask = None
+        if B > 1 or Q > 1:  # key j is visible to query (b, i) iff j ≤ positions[b, i]
+            mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]  # (B, 1, Q, span)
+        return self._pass(self._rows(slots), tokens.to(self.device), positions, span, mask, logits_at_last, features_at_last)
+
+    def _forward_static(self, slots: list[int], tokens: torch.Tensor):
+        """The fixed-shape pass over the first ``bucket`` slots; rows not in ``slots`` are padding (their
+        keys/values land past their held tokens, where nothing reads them)."""
+        bucket = bucket_for(max(slots) + 1, self.slots)
+        Q = tokens.shape[1]
+        span = max(self.length(s) for s in slots) + Q
+        self._check(span)
+        reach = max(span, *(min(self.reach[s], self.capacity) for s in slots))
+        self._reserve(reach)
+        for slot in set(range(bucket)) - set(slots):  # a padding row must not write past the allocation
+            self.truncate(slot, min(self.length(slot), self.keys[0].shape[2] - Q))
+        index = torch.tensor(slots, device=self.device)
+        padded = torch.zeros(bucket, Q, dtype=torch.long, device=self.device).index_copy_(0, index, tokens.to(self.device))
+        lengths = torch.tensor([self.length(s) for s in range(bucket)], device=self.device)
+        # A graph reads the whole allocation.  Eagerly, a pass attends over what its rows' requests can
+        # reach (their ``reach``, rounded up to a step): the same keys for every pass of a request, so every
+        # method computes a position alike, without attending to all that was ever allocated.
+        allocated = self.keys[0].shape[2]
+        span = allocated if self.graphs.enabled else min(allocated, -(-reach // SPAN_STEP) * SPAN_STEP)
+        logits, features = self.graphs.run((bucket, Q, span), lambda t, n: self._static_pass(t, n, span), padded, lengths)
+        return logits, features, index
+
+    def _static_pass(self, tokens: torch.Tensor, lengths: torch.Tensor, span: int):
+        """tokens (bucket, Q) after lengths (bucket,) held tokens, attending over the first ``span`` cache entries."""
+        positions = lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]
+        return self._pass(slice(0, tokens.shape[0]), tokens, positions, span, mask, False, False)
+
+    @torch.no_grad()
+    def _pass(self, rows, tokens, positions, span, mask, logits_at_last, features_at_last):
+        """The model's layers over ``tokens`` (B, Q) at ``positions`` (B, Q) of cache ``rows``, attending to
+        the first ``span`` cache entries under ``mask`` (B, 1, Q, span) or causally alone (None)."""
+        inner = self.model.model
+        h = inner.embed_tokens(tokens)
+        cos, sin = inner.rotary_emb(h, positions)
+        captured = []
+        for index, layer in enumerate(self.layers):
+            h = h + self._attention(index, layer.self_attn, layer.input_layernorm(h), (cos, sin), rows, positions, span, mask)
+            h = h + self.linears.layers[index].mlp(layer.post_attention_layernorm(h))
+            if index in self.capture_layers:
+                captured.append(h[:, -1:] if features_at_last else h)
+        B, Q = tokens.shape
+        if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
+            h = inner.norm(h)
+            captured.append(h[:, -1:] if features_at_last else h)
+        else:
+            h = inner.norm(h[:, -1:] if logits_at_last else h)
+        if captured:
+            features = torch.stack(captured, dim=2)
+        else:
+            features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
+        return self.linears.lm_head(h[:, -1:] if logits_at_last else h), features
+
+    def _check(self, span: int) -> None:
+        if span > self.capacity:
+            raise DliteError(f"the sequence needs {span} tokens of KV cache, more than the engine's capacity of {self.capacity}")
+
+    def _reserve(self, span: int) -> None:
+        """Grow the cache (doubling, up to ``capacity``) so that every slot holds ``span`` tokens."""
+        allocated = self.keys[0].shape[2]
+        if span <= allocated:
+            return
+        grown = min(self.capacity, max(span, 2 * allocated))
+        pad = lambda t: F.pad(t, (0, 0, 0, grown - allocated))  # noqa: E731
+        self.keys = [pad(k) for k in self.keys]
+        self.values = [pad(v) for v in self.values]
+        self.graphs.clear()  # they read the old tensors
+
+    def _rows(self, slots: list[int]):
+        """An index for the cache's slot dimension: a slice (a view, no copy) when the slots are contiguous."""
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return slice(slots[0], slots[0] + len(slots))
+        return torch.tensor(slots, device=self.device)
+
+    def _attention(self, index, attention, x, rope_cos_sin, rows, positions, span, mask):
+        B, Q, _ = x.shape
+        linears = self.linears.layers[index]
+        q, k, v = (t.reshape(B, Q, -1, self.head_dim) for t in linears.qkv(x))
+        if hasattr(attention, "q_norm"):  # qwen3
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope_cos_sin)
+        k = apply_rope(k.transpose(1, 2), *rope_cos_sin)
+        keys, values = self.keys[index], self.values[index]
+        row_index = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
+        keys[row_index[:, None], :, positions] = k.transpose(1, 2)  # (B, Q, kv_heads, d) at each row's positions
+        values[row_index[:, None], :, positions] = v
+        out = grouped_attention(q, keys[rows, :, :span], values[rows, :, :span], mask, attention.scaling)
+        return linears.o(out.transpose(1, 2).reshape(B, Q, -1))[0]

@@ -1,0 +1,1 @@
+"""Using a drafter: the OpenAI-compatible server and one-prompt generation."""

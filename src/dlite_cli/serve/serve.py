@@ -1,0 +1,499 @@
+"""``dlite serve``: an OpenAI-compatible HTTP server whose requests share the engine's continuous batch.
+
+    GET  /v1/models   /health   /metrics (Prometheus text)
+    POST /v1/completions   /v1/chat/completions   (``stream: true`` → server-sent events)
+
+One worker thread owns the Engine.  HTTP handlers (asyncio) validate a request, hand it to the
+worker and await its text as it grows; the worker admits requests into free slots, runs rounds
+and publishes what each request gained.  A client that goes away cancels its request, which
+frees its slot at once.  Bad input is answered with an OpenAI-style error body, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..core.errors import DliteError
+from ..decoding.engine import Engine, Request, SamplingParams
+
+MAX_BODY_BYTES = 1 << 20
+TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+POLL_SECONDS = 0.25  # how often a non-streaming handler checks that its client is still there
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """Fields shared by both endpoints; anything unknown is refused, as OpenAI does."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # extension (SGLang, vLLM): 0 = all tokens
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[int]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    chat_template_kwargs: dict | None = None  # extension (SGLang, vLLM): e.g. {"enable_thinking": false}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, and the offending parameter."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    param = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"unrecognized request argument supplied: {param}", param=param)
+    if first["type"] == "missing":
+        return ApiError(400, f"missing required parameter: {param}", param=param)
+    return ApiError(400, f"invalid value for {param}: {first['msg']}", param=param)
+
+
+# ---------------------------------------------------------------- the engine worker
+
+
+@dataclass(eq=False)
+class Job:
+    """One HTTP request's decoding: the engine Request and where its progress is published."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: str = ""  # text already published
+
+    def publish(self, engine: Engine) -> None:
+        """Called by the worker after a step: push the new text (and the end, if reached)."""
+        request = self.request
+        done = request.finish_reason is not None
+        text = request.text if done else held_back(engine.text_of(request), request.params.stop)
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self._push(("text", text[len(self.sent) :]))
+            self.sent = text
+        if done:
+            self._push(("done", request.finish_reason))
+
+    def fail(self, message: str) -> None:
+        self._push(("error", message))
+
+    def _push(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` without a tail that could still become a stop string or a multi-byte character."""
+    text = text.rstrip("\ufffd")
+    hold = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return text[: len(text) - hold]
+
+
+class Busy(Exception):
+    pass
+
+
+class Worker:
+    """The thread that owns the engine; everything else talks to it through ``submit`` and ``cancel``."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine = engine
+        self.metrics = Metrics(engine={"drafter": engine.drafter.name, "path": engine.runner.path, "device": str(engine.runner.device)})
+        self.capacity = len(engine.free) + max_queue  # requests in slots plus those waiting
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: dict[Request, Job] = {}
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._loop, name="dlite-engine", daemon=True).start()
+
+    def submit(self, job: Job) -> None:
+        with self.lock:
+            if self.in_flight >= self.capacity:
+                raise Busy
+            self.in_flight += 1
+        self.inbox.put(("add", job))
+
+    def cancel(self, job: Job) -> None:
+        self.inbox.put(("cancel", job))
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._take_inbox(block=not self.engine.busy)
+                if self.engine.busy:
+                    self._step()
+                self.metrics.batch_size = len(self.engine.active)
+                self.metrics.queue_depth = len(self.engine.waiting)
+            except Exception as e:  # an engine bug must not hang every client: fail them and go on
+                for job in list(self.jobs.values()):
+                    self.engine.cancel(job.request)
+                    self._close(job, f"internal error: {e!r}")
+
+    def _step(self) -> None:
+        for request in self.engine.step():
+            job = self.jobs.get(request)
+            if job is not None:
+                job.publish(self.engine)
+                if request.finish_reason is not None:
+                    self._close(job)
+
+    def _take_inbox(self, block: bool) -> None:
+        """Apply every pending add and cancel; wait for one first if ``block``."""
+        try:
+            message = self.inbox.get(block=block)
+            while True:
+                kind, job = message
+                if kind == "add":
+                    self.jobs[job.request] = job
+                    try:
+                        self.engine.add(job.request)
+                    except DliteError as e:
+                        self._close(job, str(e))
+                elif job.request in self.jobs:
+                    self.engine.cancel(job.request)
+                    self._close(job)
+                message = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _close(self, job: Job, error: str | None = None) -> None:
+        del self.jobs[job.request]
+        with self.lock:
+            self.in_flight -= 1
+        if error:
+            job.fail(error)
+        self.metrics.finished(job.request)
+
+
+@dataclass
+class Metrics:
+    """Counters for GET /metrics (Prometheus text format)."""
+
+    requests: dict = field(default_factory=dict)  # finish reason → count
+    errors: dict = field(default_factory=dict)  # HTTP status → count
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    tau_counts: list = field(default_factory=lambda: [0] * len(TAU_BUCKETS))
+    tau_sum: float = 0.0
+    tau_count: int = 0
+    batch_size: int = 0
+    queue_depth: int = 0
+    engine: dict = field(default_factory=dict)  # what decodes: drafter, decode path, device
+
+    def finished(self, request: Request) -> None:
+        reason = request.finish_reason or "error"
+        if request.stats is None:  # never reached the engine
+            return
+        self.requests[reason] = self.requests.get(reason, 0) + 1
+        self.prompt_tokens += request.stats.prompt_tokens
+        self.generated_tokens += request.stats.generated_tokens
+        if request.stats.rounds:
+            tau = request.stats.tau
+            self.tau_sum, self.tau_count = self.tau_sum + tau, self.tau_count + 1
+            for i, bound in enumerate(TAU_BUCKETS):
+                self.tau_counts[i] += tau <= bound
+
+    def render(self) -> str:
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(self.engine.items()))
+        lines = ["# HELP dlite_engine_info The drafter, decode path (eager, static, graphs) and device in use.", "# TYPE dlite_engine_info gauge",
+                 f"dlite_engine_info{{{labels}}} 1"]
+        lines += ["# HELP dlite_requests_total Requests finished, by finish reason.", "# TYPE dlite_requests_total counter"]
+        lines += [f'dlite_requests_total{{reason="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+        lines += ["# HELP dlite_request_errors_total Requests refused, by HTTP status.", "# TYPE dlite_request_errors_total counter"]
+        lines += [f'dlite_request_errors_total{{status="{k}"}} {v}' for k, v in sorted(self.errors.items())]
+        for name, value, help_text in (
+            ("dlite_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+            ("dlite_generated_tokens_total", self.generated_tokens, "Tokens generated for finished requests."),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+        lines += ["# HELP dlite_tau Acceptance length per request (tokens per verify round).", "# TYPE dlite_tau histogram"]
+        lines += [f'dlite_tau_bucket{{le="{b}"}} {c}' for b, c in zip(TAU_BUCKETS, self.tau_counts)]
+        lines += [f'dlite_tau_bucket{{le="+Inf"}} {self.tau_count}', f"dlite_tau_sum {self.tau_sum:.4f}", f"dlite_tau_count {self.tau_count}"]
+        for name, value, help_text in (
+            ("dlite_queue_depth", self.queue_depth, "Requests waiting for a slot."),
+            ("dlite_batch_size", self.batch_size, "Rows in the engine's current batch."),
+            ("process_resident_memory_bytes", resident_memory(), "Resident memory of the server process."),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def resident_memory() -> int:
+    """This process's resident set size in bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+# ---------------------------------------------------------------- the HTTP app
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_queue: int, max_tokens: int):
+    """The FastAPI app serving ``engine`` (which it drives from its own worker thread); ``max_tokens``: a chat
+    request's completion tokens when it names none (a completion's: 16, as OpenAI's)."""
+    app = FastAPI(title="dlite", docs_url=None, redoc_url=None)
+    worker = Worker(engine, max_queue)
+    created = int(time.time())
+    tokenizer_size = len(tokenizer)
+
+    def error_response(e: ApiError) -> JSONResponse:
+        worker.metrics.errors[e.status] = worker.metrics.errors.get(e.status, 0) + 1
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(404)
+    async def on_not_found(http: HttpRequest, _):
+        return error_response(ApiError(404, f"no route {http.method} {http.url.path}", "not_found_error"))
+
+    @app.exception_handler(405)
+    async def on_wrong_method(http: HttpRequest, _):
+        return error_response(ApiError(405, f"{http.method} is not allowed on {http.url.path}", "invalid_request_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(worker.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "dlite"}]}
+
+    async def parse(http: HttpRequest, schema: type[BaseModel]) -> BaseModel:
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+        raw = await http.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            body = schema.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if body.model not in (None, model_name):
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
+        return body
+
+    def engine_request(body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int) -> Request:
+        room = engine.runner.capacity - len(prompt_ids) - engine.drafter.draft_tokens - 2
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context is {engine.runner.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
+        if requested is None:
+            requested = min(default_max, room)
+        if not 1 <= requested <= room:
+            raise ApiError(400, f"max_tokens must be between 1 and {room} for this prompt of {len(prompt_ids)} tokens (context {engine.runner.capacity}), got {requested}", param="max_tokens")
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop must be at most 4 non-empty strings", param="stop")
+        params = SamplingParams(requested, body.temperature, body.top_p, body.top_k, stops, body.seed)
+        request = Request(prompt_ids, params)
+        try:
+            engine.validate(request)
+        except DliteError as e:
+            raise ApiError(400, str(e)) from None
+        return request
+
+    async def decode(http: HttpRequest, body: Sampling, request: Request, chunk, final):
+        """Run ``request``; return the whole response, or stream it as server-sent events."""
+        job = Job(request, asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except Busy:
+            raise ApiError(429, f"the server is busy: {worker.capacity} requests are already in flight; retry shortly", "rate_limit_exceeded") from None
+        identifier = f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if not body.stream:
+            text = []
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+                    except asyncio.TimeoutError:
+                        if await http.is_disconnected():
+                            worker.cancel(job)
+                            return JSONResponse({}, status_code=499)
+                        continue
+                    if event[0] == "error":
+                        raise ApiError(500, event[1], "server_error")
+                    if event[0] == "done":
+                        return final(identifier, "".join(text), event[1])
+                    text.append(event[1])
+            except asyncio.CancelledError:
+                worker.cancel(job)
+                raise
+
+        async def events():
+            finished = False
+            try:
+                yield sse(chunk(identifier, None, None, first=True))
+                while True:
+                    event = await job.events.get()
+                    if event[0] == "error":
+                        yield sse({"error": ApiError(500, event[1], "server_error").body()["error"]})
+                        break
+                    if event[0] == "text":
+                        yield sse(chunk(identifier, event[1], None))
+                        continue
+                    finished = True
+                    yield sse(chunk(identifier, None, event[1]))
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield sse({**chunk(identifier, None, None), "choices": [], **usage_fields(request)})
+                    break
+                yield "data: [DONE]\n\n"
+            finally:
+                if not finished:  # the client went away (or the stream failed): free the slot now
+                    worker.cancel(job)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await parse(http, CompletionBody)
+        prompt_ids = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        if not prompt_ids:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        if any(not 0 <= t < tokenizer_size for t in prompt_ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {tokenizer_size})", param="prompt")
+        request = engine_request(body, prompt_ids, body.max_tokens, default_max=16)
+
+        def chunk(identifier, text, finish, first=False):
+            return {"id": identifier, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+
+        def final(identifier, text, finish):
+            return {**chunk(identifier, text, finish), **usage_fields(request)}
+
+        return await decode(http, body, request, chunk, final)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        from ..training.regen import chat_prompt_ids
+
+        body = await parse(http, ChatBody)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        options = body.chat_template_kwargs or {}
+        try:
+            prompt_ids = chat_prompt_ids(tokenizer, messages, bool(options.get("enable_thinking", thinking)))
+        except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
+            raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        request = engine_request(body, prompt_ids, requested, default_max=max_tokens)
+
+        def chunk(identifier, text, finish, first=False):
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            return {"id": identifier, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+        def final(identifier, text, finish):
+            return {"id": identifier, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}],
+                    **usage_fields(request)}
+
+        return await decode(http, body, request, chunk, final)
+
+    return app
+
+
+def usage_fields(request: Request) -> dict:
+    """OpenAI's ``usage`` plus dlite's acceptance statistics in the extra field ``dlite``."""
+    stats = request.stats
+    usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    return {"usage": usage, "dlite": stats.as_dict()}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | None, max_queue: int, max_context: int | None,
+          max_tokens: int, engine: str, log) -> None:
+    """Load the target and drafter, then serve until interrupted: with ``engine`` vllm (auto: where it is installed and
+    can draft with the drafter) vLLM's OpenAI server, else dlite's own."""
+    import uvicorn
+
+    from ..decoding.engine import load_engine
+    from ..vllm_engine import choose_engine
+
+    if choose_engine(engine, log) == "vllm":
+        from ..vllm_engine.engine import serve_vllm
+
+        try:
+            return serve_vllm(config, run_dir, drafter, host, port, max_batch or config.decode.max_batch, max_queue, max_context, max_tokens, log)
+        except DliteError as e:
+            if engine == "vllm":
+                raise
+            log(f"{e}: serving with dlite's own engine instead")
+    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log, response_tokens=max_tokens)
+    app = create_app(decoder, tokenizer, config.name, config.target.thinking, max_queue, max_tokens)
+    log(f"serving {config.name} with drafter {drafter} ({len(decoder.free)} slots, context {decoder.runner.capacity}, "
+        f"{decoder.runner.path} decoding on {decoder.runner.device}) "
+        f"on http://{host}:{port}/v1")
+    uvicorn.run(app, host=host, port=port, log_level="warning")

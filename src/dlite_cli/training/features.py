@@ -1,0 +1,210 @@
+"""Training data from the frozen target: features at the S selected layers and sparse target distributions.
+
+For a regenerated sequence x_0..x_{T−1} (prompt then response) one no-grad target
+pass gives, per position t:
+
+    features   (T, S, H)  outputs of the S selected decoder layers (forward hooks, nothing else kept)
+    top_probs  (T, k)     the k largest probabilities of p^T(· | x_≤t), the target's next-token distribution
+    top_ids    (T, k)     their token ids
+
+An anchor a (a response token) then yields: context = features[a−1] (the pivot),
+the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.
+
+Two modes (``train.features``): ``cached`` runs the target once over every
+sequence and stores the result in ``<run>/features/`` (half precision), reused by
+all stages and epochs — the CPU mode; ``online`` runs the target inside the
+training loop — the paper-scale mode, where stored features would take tens of TB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.artifacts import Stage
+from ..core.config import Config, config_hash
+from ..core.errors import DliteError
+from ..core.files import atomic_path
+from ..core.progress import progress_bar
+from ..models.linears import pack_modules
+from .losses import dropped_mass
+from .regen import iter_records
+
+SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
+
+
+@dataclass
+class Sequence:
+    """One regenerated sequence and what the target computed over it."""
+
+    input_ids: torch.Tensor  # (T,) long
+    prompt_len: int
+    features: torch.Tensor  # (T, S, H): from a target pass on the target's device in its dtype; from the cache on the host in float16
+    top_probs: torch.Tensor  # (T, k)
+    top_ids: torch.Tensor  # (T, k) int32
+    labels_from_target: bool = False  # the response is the source's original text: labels are the target's argmax
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of the target's decoder layers ``layer_ids`` during one pass
+    (id L, one past the last layer: the final norm's output)."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.layer_ids = layer_ids
+        self.outputs: dict[int, torch.Tensor] = {}
+        modules = [*model.model.layers, model.model.norm]
+        self.handles = [modules[i].register_forward_hook(self._keep(i)) for i in layer_ids]
+
+    def _keep(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def stacked(self) -> torch.Tensor:
+        """(B, T, S, H) in layer-id order; clears what was kept."""
+        stacked = torch.stack([self.outputs[i] for i in self.layer_ids], dim=2)
+        self.outputs.clear()
+        return stacked
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
+    """Run the target over regen records (``input_ids``, ``prompt_len``, ``labels``; one right-padded batch): each
+    Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host."""
+    width = max(len(r["input_ids"]) for r in records)
+    input_ids = torch.zeros(len(records), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, record in enumerate(records):
+        input_ids[row, : len(record["input_ids"])] = torch.tensor(record["input_ids"])
+        attention_mask[row, : len(record["input_ids"])] = 1
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+    features = capture.stacked()
+    out = []
+    for row, record in enumerate(records):
+        length = len(record["input_ids"])
+        probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
+        out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), probs.cpu(),
+                            top.int().cpu(), record.get("labels") == "target"))
+    return out
+
+
+def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
+    """:func:`target_pass` over ``records``, ``batch`` at a time in order of length (little padding) → their
+    Sequences in the records' order."""
+    by_length = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    computed = {}
+    for start in range(0, len(records), batch):
+        part = by_length[start : start + batch]
+        computed.update(zip(part, target_pass(model, capture, [records[i] for i in part], top_k)))
+    return [computed[i] for i in range(len(records))]
+
+
+def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval): the ``eval_samples`` regenerated records with the smallest id hash are held out for
+    simulated τ (measured on what the target itself writes, never on kept original responses)."""
+    regenerated = [r for r in records if r.get("labels") != "target"]
+    ranked = sorted(regenerated, key=lambda r: hashlib.sha1(f"eval:{r['id']}".encode()).hexdigest())
+    held = {r["id"] for r in ranked[:eval_samples]}
+    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
+
+
+class FeatureCache:
+    """``<run>/features/``: shards of Sequences in half precision, written once, read by every stage.  It may hold
+    more layers than a drafter reads (an ablation study's cache holds every variant's): :meth:`load` picks."""
+
+    def __init__(self, run_dir: Path):
+        self.stage = Stage(run_dir, "features")
+
+    def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log) -> None:
+        """Compute missing shards of the features of ``layer_ids``; resumable at shard granularity."""
+        train = config.train
+        digest = config_hash(config.target.identity(), {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
+        if not self.stage.begin(digest, {"layers": layer_ids, "top_k": train.target_top_k}, inputs, force):
+            return
+        shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]
+        done = sum(len(s) for i, s in enumerate(shards) if self._shard_path(i).exists())
+        capture = LayerCapture(target_model, layer_ids)
+        pack_modules(target_model)
+        try:
+            with progress_bar("target features", total=len(records), completed=done) as bar:
+                for index, shard in enumerate(shards):
+                    if self._shard_path(index).exists():
+                        continue
+                    self._write_shard(index, target_passes(target_model, capture, shard, train.target_top_k, train.target_batch))
+                    done += len(shard)
+                    bar.update(advance=len(shard))
+                    self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
+        finally:
+            capture.remove()
+        tokens = sum(len(r["input_ids"]) for r in records)
+        dropped = self._dropped_mass()
+        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards), "top_k_dropped_mass": dropped})
+        log(f"cached target features for {len(records)} sequences ({tokens} tokens) in {self.stage.dir}; "
+            f"p^T mass outside the top-{train.target_top_k}: mean {dropped['mean']:.4f}, p99 {dropped['p99']:.4f} "
+            "(the most the sparse TV loss can differ from the full one per position)")
+
+    def _dropped_mass(self) -> dict:
+        """How much of p^T the top-k leaves out, over the response positions of every sequence."""
+        dropped = torch.cat([dropped_mass(s.top_probs[max(s.prompt_len - 1, 0) :]) for s in self.load(require_done=False)])
+        return {"mean": round(dropped.mean().item(), 5), "p99": round(dropped.quantile(0.99).item(), 5)}
+
+    def _shard_path(self, index: int) -> Path:
+        return self.stage.dir / f"{index:05d}.safetensors"
+
+    def _write_shard(self, index: int, sequences: list[Sequence]) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {
+            "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
+            "features": torch.cat([s.features for s in sequences]).half().cpu(),
+            "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
+            "top_ids": torch.cat([s.top_ids for s in sequences]),
+            "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
+            "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
+            "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
+        }
+        with atomic_path(self._shard_path(index)) as tmp:
+            save_file(tensors, tmp)
+
+    def load(self, layer_ids: list[int] | None = None, require_done: bool = True) -> list[Sequence]:
+        """Every cached Sequence, with the features of ``layer_ids`` only (None: all the cache holds), in their order."""
+        from safetensors.torch import load_file
+
+        manifest = self.stage.manifest()
+        if require_done and (manifest is None or manifest["status"] != "done"):
+            raise DliteError(f"the target feature cache in {self.stage.dir} is incomplete: run the training stage again to finish it")
+        held = manifest["config"]["layers"]
+        if layer_ids is not None and not set(layer_ids) <= set(held):
+            raise DliteError(f"the target feature cache in {self.stage.dir} holds layers {held}, not all of {layer_ids}")
+        columns = None if layer_ids is None or layer_ids == held else torch.tensor([held.index(i) for i in layer_ids])
+        sequences = []
+        for path in sorted(self.stage.dir.glob("*.safetensors")):
+            shard = load_file(path)
+            if columns is not None:
+                shard["features"] = shard["features"][:, columns]
+            starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
+            from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
+            for start, length, prompt_len, flag in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(), from_target):
+                end = start + length
+                sequences.append(
+                    Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
+                             shard["top_ids"][start:end], flag)
+                )
+        return sequences
+
+
+def load_records(run_dir: Path) -> list[dict]:
+    records = list(iter_records(run_dir))
+    if not records:
+        raise DliteError(f"the regen stage in {run_dir} has no records to train on")
+    return records
+

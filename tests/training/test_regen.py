@@ -1,0 +1,230 @@
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlite_cli.core.config import RegenConfig, SourceConfig
+from dlite_cli.core.errors import DliteError
+from dlite_cli.data.prompts import is_heldout, plan_prompts
+from dlite_cli.training.regen import parse_shard
+
+
+def chunk_records(run: Path) -> dict[str, dict]:
+    records = {}
+    for chunk in sorted((run / "regen" / "chunks").glob("*.jsonl")):
+        for line in chunk.read_text().splitlines():
+            record = json.loads(line)
+            records[record["id"]] = record
+    return records
+
+
+def manifest(run: Path) -> dict:
+    return json.loads((run / "regen" / "manifest.json").read_text())
+
+
+def test_regen_micro_end_to_end(run_cli, tmp_path):
+    first = run_cli("regen", "--target", "micro", env={"DLITE_PROGRESS_INTERVAL": "0.05"})
+    # stderr is not a terminal: progress comes as lines at a steady interval, the last one complete
+    progress = [line for line in first.stderr.splitlines() if re.fullmatch(r"regen[^:]*: \d+/32 \(\d+%\), [\d.]+/s, elapsed \d+:\d\d, eta \S+", line)]
+    assert len(progress) >= 2 and "32/32 (100%)" in progress[-1]
+    run = tmp_path / "runs" / "micro"
+    records = chunk_records(run)
+    assert len(records) == 24 + 8  # the configured counts of usable prompts: regenerated, then kept originals
+    ok = list(records.values())
+    assert all(r["source"] == "stdlib-code" and "error" not in r for r in ok)
+    for r in ok:
+        assert 0 < r["prompt_len"] <= 192 and r["prompt_len"] < len(r["input_ids"]) <= r["prompt_len"] + 16
+        assert r["finish_reason"] in ("stop", "length") and r["messages"][-1]["role"] == "user"
+    originals = [r for r in ok if r.get("labels") == "target"]
+    assert len(originals) == 8 and all(r["response"].startswith("```python") for r in originals)  # the function's own code
+    # prompts over max_prompt_tokens are skipped with the reason and replaced by the next ones
+    skipped = [json.loads(line) for line in (run / "regen" / "skipped.jsonl").read_text().splitlines()]
+    assert any("over regen.max_prompt_tokens=192" in s["reason"] for s in skipped)
+    assert all("over regen.max_prompt_tokens=192" in s["reason"] or s["reason"] == "no original response to keep" for s in skipped)
+    assert not {s["id"] for s in skipped} & set(records)
+    m = manifest(run)
+    assert m["status"] == "done" and m["summary"]["records"] == 32 and m["summary"]["skipped"] == len(skipped)
+    assert m["summary"]["original_responses"] == 8
+    assert m["inputs"]["target"] and m["versions"]["torch"]
+
+    again = run_cli("regen", "--target", "micro")
+    assert "already done" in again.stderr
+    refused = run_cli("regen", "--target", "micro", "--max-new-tokens", "8", check=False)
+    assert refused.returncode == 2 and "different config" in refused.stderr and "--force" in refused.stderr
+    run_cli("regen", "--target", "micro", "--max-new-tokens", "8", "--force")
+    assert all(len(r["input_ids"]) <= r["prompt_len"] + 8 for r in chunk_records(run).values() if "error" not in r)
+
+    status = run_cli("status", "--target", "micro")
+    assert "regen" in status.stdout and "done" in status.stdout and "32/32 prompts" in status.stdout
+    assert "train-teacher" in status.stdout and "missing" in status.stdout
+
+
+def test_shards_are_disjoint_and_complete(micro_run, run_cli, tmp_path):
+    full, shared = micro_run.directory, tmp_path / "sharded"  # the session's micro run's regen, on the CPU as here
+    cpu = ("--set", "target.device=cpu")
+    first = run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(shared), "--shard", "0/2")
+    assert "wait for other shards" in first.stderr and manifest(shared)["status"] == "running"
+    part = set(chunk_records(shared))
+    run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(shared), "--shard", "1/2")
+    both = chunk_records(shared)
+    assert manifest(shared)["status"] == "done"
+    assert part and part < set(both)  # shard 0 did part of the work, shard 1 the rest
+    assert both == chunk_records(full)  # together: exactly the unsharded records
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(run_cli, cache_dir, tmp_path):
+    options = ["--target", "micro", "--max-new-tokens", "96"]
+    reference = tmp_path / "reference"
+    run_cli("regen", *options, "--run-dir", str(reference))
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dlite_cli", "regen", *options, "--run-dir", str(killed)],
+        env={**__import__("os").environ, "DLITE_CACHE": str(cache_dir)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    partial = killed / "regen" / "chunks" / "00000.partial"
+    while not (partial.exists() and partial.read_text().count("\n") >= 1):
+        assert time.time() < deadline and process.poll() is None, "regen finished before it could be killed"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert manifest(killed)["status"] == "running"
+    assert len(chunk_records(killed)) < 24
+
+    resumed = run_cli("regen", *options, "--run-dir", str(killed))
+    assert "regen done" in resumed.stderr
+    assert chunk_records(killed) == chunk_records(reference)
+    assert not list((killed / "regen" / "chunks").glob("*.partial"))
+
+
+def test_malformed_records_are_skipped_and_reported(run_cli, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    good = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"Tell me about {i}."}, {"from": "gpt", "value": "x"}]}
+        for i in range(40)
+    ]
+    lines = [json.dumps(r) for r in good[:3]]
+    lines += [
+        "{not json",
+        json.dumps({"id": "no-human", "conversations": [{"from": "gpt", "value": "hello"}]}),
+        json.dumps({"id": "no-conversations"}),
+        json.dumps({"id": "empty", "conversations": [{"from": "human", "value": "  "}]}),
+        json.dumps(["a", "list"]),
+    ]
+    lines += [json.dumps(r) for r in good[3:]]
+    data.write_text("\n".join(lines) + "\n")
+    sources = f"regen.sources=[{{name: sharegpt, count: 12, path: {data}}}]"
+    done = run_cli("regen", "--target", "micro", "--set", sources)
+    run = tmp_path / "runs" / "micro"
+    records = chunk_records(run)
+    assert len(records) == 12 and all(r["source"] == "sharegpt" for r in records.values())
+    assert all(not is_heldout(i) for i in records)
+    reasons = [json.loads(line)["reason"] for line in (run / "regen" / "skipped.jsonl").read_text().splitlines()]
+    assert any("not valid JSON" in r for r in reasons)
+    assert sum("malformed record" in r for r in reasons) == 4
+    assert "skipped" in done.stderr
+
+
+def test_heldout_ids_never_reach_training():
+    prompts, _ = plan_prompts(RegenConfig(sources=[SourceConfig("stdlib-code", 1000)]), log=lambda _: None)
+    assert prompts and not any(is_heldout(p.id) for p in prompts)
+    ids = [f"sharegpt:{i}" for i in range(10000)]
+    assert 0.04 < sum(map(is_heldout, ids)) / len(ids) < 0.06
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "nope"], "unknown target 'nope'"),
+        (["--set", "regen.sources=[{name: sharegpt, count: 3, path: /does/not/exist.jsonl}]"], "does not exist"),
+        (["--set", "regen.max_prompt_tokens=1"], "no usable prompt (first skip: prompt has"),
+        (["--backend", "openai"], "needs --base-url"),
+        (["--backend", "openai", "--base-url", "http://127.0.0.1:9/v1"], "did not list a model"),
+        (["--shard", "2/2"], "expected 0 <= i < n"),
+        (["--backend", "sglang"], "needs SGLang installed"),
+    ],
+)
+def test_bad_input_is_one_clear_error(run_cli, args, message):
+    if args[:2] == ["--target", "nope"]:
+        done = run_cli("regen", *args, check=False)
+    else:
+        done = run_cli("regen", "--target", "micro", *args, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_parse_shard():
+    assert parse_shard("1/4") == (1, 4)
+    with pytest.raises(DliteError):
+        parse_shard("4")
+
+
+def test_hub_sources_read_local_files_in_their_schema(tmp_path):
+    nemotron = tmp_path / "nemotron"
+    nemotron.mkdir()
+    rows = [
+        {"uuid": f"u{i}", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q{i}?"},
+                                        {"role": "assistant", "content": "A."}]}
+        for i in range(30)
+    ]
+    (nemotron / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"Hi {i}"}, {"from": "gpt", "value": "x"}]} for i in range(30)]))
+    regen = RegenConfig(
+        sources=[SourceConfig("nemotron-v2", 10, str(nemotron)), SourceConfig("open-perfectblend", 10, str(blend))]
+    )
+    prompts, skipped = plan_prompts(regen, log=lambda _: None)
+    by_source = {s: [p for p in prompts if p.source == s] for s in ("nemotron-v2", "open-perfectblend")}
+    assert len(by_source["nemotron-v2"]) == 10 and len(by_source["open-perfectblend"]) == 10
+    first = by_source["nemotron-v2"][0]
+    assert first.id.startswith("nemotron-v2:u") and [m["role"] for m in first.messages] == ["system", "user"]
+    assert by_source["open-perfectblend"][0].messages[-1]["content"].startswith("Hi ")
+    assert first.original == "A." and not first.keep_original  # the source's own answer, regenerated by default
+    assert plan_prompts(regen, log=lambda _: None)[0] == prompts  # the same plan every time
+    limited, _ = plan_prompts(regen, limit=5, log=lambda _: None)
+    assert limited == prompts[:5]
+
+
+def test_a_later_source_keeps_originals_of_prompts_no_earlier_source_took(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    rows = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Q{i}?"}] + ([{"from": "gpt", "value": f"A{i}."}] if i % 3 else [])}
+            for i in range(40)]
+    chats.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    regen = RegenConfig(sources=[SourceConfig("sharegpt", 6, str(chats)), SourceConfig("sharegpt", 10, str(chats), responses="original")])
+    prompts, skipped = plan_prompts(regen, log=lambda _: None)
+    rewritten, kept = [p for p in prompts if not p.keep_original], [p for p in prompts if p.keep_original]
+    assert len(rewritten) == 6 and len(kept) == 10 and not {p.id for p in rewritten} & {p.id for p in kept}
+    assert all(p.original == f"A{p.id.split(':c')[1]}." for p in kept)
+    assert {s.reason for s in skipped} == {"no original response to keep"}  # the conversations with no answer
+
+
+def test_sampled_regen_is_reproducible_for_a_seed(run_cli, tmp_path):
+    sampled = ["--target", "micro", "--temperature", "0.9", "--top-p", "0.95", "--limit", "8"]
+    first, second, greedy = tmp_path / "a", tmp_path / "b", tmp_path / "greedy"
+    run_cli("regen", *sampled, "--run-dir", str(first))
+    run_cli("regen", *sampled, "--run-dir", str(second))
+    run_cli("regen", "--target", "micro", "--limit", "8", "--run-dir", str(greedy))
+    assert chunk_records(first) == chunk_records(second)  # fixed per-batch seeds: resume-safe sampling
+    assert chunk_records(first) != chunk_records(greedy)
+
+
+def test_the_dlite_backend_writes_the_greedy_records_generate_does_and_samples_reproducibly(run_cli, tmp_path):
+    ask = ["--target", "micro", "--limit", "8", "--set", "target.dtype=float32"]
+    runs = {backend: tmp_path / backend for backend in ("hf", "dlite")}
+    for backend, run in runs.items():
+        run_cli("regen", *ask, "--backend", backend, "--run-dir", str(run))
+    hf, dlite = chunk_records(runs["hf"]), chunk_records(runs["dlite"])
+    assert hf == dlite and any(r.get("labels") != "target" and len(r["input_ids"]) > r["prompt_len"] + 1 for r in hf.values())
+    sampled = [*ask, "--backend", "dlite", "--temperature", "0.9", "--top-p", "0.95"]
+    run_cli("regen", *sampled, "--run-dir", str(tmp_path / "a"))
+    run_cli("regen", *sampled, "--run-dir", str(tmp_path / "b"))
+    assert chunk_records(tmp_path / "a") == chunk_records(tmp_path / "b") != dlite
