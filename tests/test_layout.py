@@ -1,4 +1,4 @@
-"""The package's import graph: no circles, and each group imports only the groups beneath it.
+"""The package's import graph: no circles, and each group imports only its own and the groups listed before it.
 
 Every import counts, a function's deferred one too: a circle broken only at import time is still a circle
 in the design.  ``python tests/test_layout.py`` prints each module with its floor (0: imports nothing of
@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dlite_cli"
 
-# Groups from the bottom up: a module may import its own group and the groups before it, never one after.
+# Groups, foundations first: a module may import its own group and the groups before it, never one after.
 GROUPS = ["core", "data", "models", "decoding", "training", "vllm_engine", "bench", "serve", "cli"]
 TOP_LEVEL = {"__init__": "core", "__main__": "cli", "cli": "cli", "pipeline": "cli"}
 
@@ -45,8 +45,8 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The graph's strongly connected components of more than one module (Tarjan), each sorted."""
+def components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components (Tarjan), each sorted: a module alone, or the modules of a circle."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -68,8 +68,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
                 component.append(member)
                 if member == node:
                     break
-            if len(component) > 1:
-                found.append(sorted(component))
+            found.append(sorted(component))
 
     for node in sorted(graph):
         if node not in index:
@@ -77,18 +76,18 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The components of more than one module."""
+    return [component for component in components(graph) if len(component) > 1]
+
+
 def floors(graph: dict[str, set[str]]) -> dict[str, int]:
-    """Module -> its floor: 0 if it imports no dlite module, else one above the highest it imports."""
+    """Module -> its floor: 0 if it imports no dlite module, else one above the highest it imports (the modules of a
+    circle share one floor)."""
     floor: dict[str, int] = {}
-
-    def height(node: str, seen: frozenset[str]) -> int:
-        if node not in floor:
-            below = [height(target, seen | {node}) for target in graph[node] if target not in seen]
-            floor[node] = 1 + max(below) if below else 0
-        return floor[node]
-
-    for node in graph:
-        height(node, frozenset())
+    for component in components(graph):  # Tarjan's order: every component after those it imports
+        below = [floor[target] for member in component for target in graph[member] if target not in component]
+        floor.update((member, 1 + max(below) if below else 0) for member in component)
     return floor
 
 
@@ -102,7 +101,7 @@ def test_no_import_circles():
     assert circles(import_graph()) == []
 
 
-def test_each_group_imports_only_groups_beneath_it():
+def test_each_group_imports_only_its_own_and_the_groups_listed_before_it():
     graph = import_graph()
     upward = [
         f"{module} -> {target}"
