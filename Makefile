@@ -50,7 +50,7 @@ test: $(STAMP)
 # with its reason printed (pytest's -rs, the profile's skipped lines).
 GPU_CHECK = PYTHONPATH=$(CURDIR)/src $(PYTHON)
 gpu-check:
-	$(GPU_CHECK) -m pytest -q -rs --ignore tests/test_serve.py
+	$(GPU_CHECK) -m pytest -q -rs --ignore tests/serve
 	$(GPU_CHECK) -m dlite_cli run micro --run-dir runs/gpu-check-micro
 	$(GPU_CHECK) -m dlite_cli profile --target qwen3-4b
 	for target in qwen3-4b qwen3-8b; do for gigabytes in 80 141; do \
