@@ -9,7 +9,10 @@ import torch
 from ..core.config import Config
 from ..core.memory import MIN_CONTEXT, MemoryPlan, device_memory, fake_mode, kv_bytes_per_token, module_bytes, most_that_fit, planned_dtype, refuse, size
 from ..models.linears import packed_bytes
+from ..models.model import FULL_HISTORY, Drafter, DrafterSpec
+from ..models.runner import pass_width
 from ..models.targets import random_target
+from .drafters import split_fixed, split_lookup
 
 # host bytes per token of suffix decoding's trees (arctic-inference, max_tree_depth 24): 256 000 Zipf-distributed ids
 SUFFIX_TREE_BYTES_PER_TOKEN = 260
@@ -17,15 +20,11 @@ SUFFIX_TREE_BYTES_PER_TOKEN = 260
 
 def keeps_history(drafter: str) -> bool:
     """Whether the drafter named (as ``dlite bench`` and ``serve`` name them) keeps a draft KV cache."""
-    from .drafters import split_fixed
-
     return split_fixed(drafter)[0] == "history"
 
 
 def uses_suffix_trees(drafter: str) -> bool:
     """Whether the drafter named is suffix decoding or paired with it (``suffix``, ``NAME+suffix``)."""
-    from .drafters import split_fixed, split_lookup
-
     base = split_fixed(drafter)[0]
     return "suffix" in (base, split_lookup(base)[1])
 
@@ -44,9 +43,6 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
     turn (in the slots unless ``slots_keep_features`` is off); ``single_row_tokens`` adds a batch-1 runner holding
     that many, which keeps them (the bench's, kept beside its concurrency sweep); ``suffix_responses``: suffix decoding's
     trees over responses of that many tokens (counted on a CPU, where host memory is the device's)."""
-    from ..models.model import FULL_HISTORY, Drafter, DrafterSpec
-    from ..models.runner import pass_width
-
     dtype = planned_dtype(config.target.dtype, device_type)
     draft_dtype = planned_dtype(config.decode.draft_dtype, device_type)
     spec = DrafterSpec.for_target(arch, config.drafter, 0)
