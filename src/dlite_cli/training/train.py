@@ -143,7 +143,7 @@ class Trainer:
         self.weights = position_weights(config.drafter.draft_tokens, self.train.gamma)
 
     def _memory_plan(self, target_config, device) -> MemoryPlan:
-        """This process's memory plan (memory.py), before anything loads or is timed; one that does not fit its device
+        """This process's memory plan (training_plan.py), before anything loads or is timed; one that does not fit its device
         is refused.  Its autocast is the one a launch was configured with, or the setting (auto: what it means on a
         GPU; on a CPU float32, the larger of the two it decides between)."""
         autocast = os.environ["ACCELERATE_MIXED_PRECISION"] if launched() and self.train.mixed_precision == "auto" else None
