@@ -343,7 +343,7 @@ def run_command(
     timings = run_pipeline(chosen, typer.main.get_command(app), directory, set_ or [], first, last, dry_run, log)
     if dry_run:
         return
-    Console(stderr=True).print(timing_table(chosen.name, timings, directory))
+    console.print(timing_table(chosen.name, timings, directory))
     for stage in chosen.stages:
         summary = directory / stage.name / "summary.md"
         if summary.is_file():

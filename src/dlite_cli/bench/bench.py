@@ -48,7 +48,7 @@ from ..core.memory import MemoryPlan, checked, device_memory
 from ..core.progress import progress_bar
 from ..data.workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 from ..decoding.decoding_plan import bench_plan, keeps_history
-from ..decoding.drafters import drafter_origin, load_proposer, resolve_drafter_path, split_fixed, suffix_part
+from ..decoding.drafters import checkpoint_of, drafter_origin, load_proposer, split_fixed, suffix_part
 from ..decoding.engine import Engine, Request, SamplingParams, stop_tokens_and_text
 from ..models.graphs import CAPTURES
 from ..models.runner import TargetRunner, decode_path, pass_width
@@ -215,17 +215,16 @@ class Bench:
                         methods += [local] + (["ar"] if "ar" not in methods else [])
                 continue
             name = METHOD_NAMES.get(method, method)
-            base = split_fixed(name)[0]
             try:
                 proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log,
                                                  self.config.suffix)
                 if suffix_part(proposers[method]):  # its settings are part of what was measured
                     self.engine_keys[method] = {"suffix": dataclasses.asdict(self.config.suffix)}
-                if base in ("none", "ngram", "suffix"):
+                directory = checkpoint_of(name, self.stage.dir.parent)
+                if directory is None:
                     self.drafters[method] = self.fingerprints[method] = name
                     self.origins[method] = "no checkpoint"
                 else:
-                    directory = resolve_drafter_path(base, self.stage.dir.parent)
                     self.drafters[method], self.fingerprints[method] = str(directory), fingerprint_dir(directory)
                     self.origins[method] = drafter_origin(directory)
             except DliteError as e:

@@ -43,6 +43,7 @@ from ..models.model import FULL_HISTORY, Drafter, History, greedy_pick
 from ..models.release import is_release, load_drafter
 from .adaptive import Calibration, Candidate, RowGain, VerifyCosts
 
+WITHOUT_CHECKPOINT = ("none", "ngram", "suffix")  # proposers that load no drafter
 # drafter names → the run-directory stage whose export they load
 STAGE_OF = {"dlite": "stable", "history": "train-teacher", "parallel": "stable-parallel", "scratch": "stable-scratch"}
 NGRAM_SIZES = (3, 2, 1)  # prompt lookup tries the longest suffix first
@@ -578,6 +579,13 @@ def resolve_drafter_path(name: str, run_dir: Path) -> Path:
         raise DliteError(f"unknown drafter {name!r}: expected none, ngram, suffix, {', '.join(STAGE_OF)}, a drafter directory or a hub id "
                          f"(any of the last three may end in {NGRAM_PAIRING}, {SUFFIX_PAIRING} or {FIXED_SUFFIX})")
     return path
+
+
+def checkpoint_of(name: str, run_dir: Path) -> Path | None:
+    """The checkpoint directory of the drafter named (as ``--drafter`` names it; see resolve_drafter_path), or None for
+    the proposers that have none (``none``, ``ngram``, ``suffix``)."""
+    base = split_fixed(name)[0]
+    return None if base in WITHOUT_CHECKPOINT else resolve_drafter_path(base, run_dir)
 
 
 def drafter_origin(directory: Path) -> str:

@@ -409,14 +409,13 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     from ..core.devices import resolve_device
     from ..models.targets import Work, load_target, load_target_config, prepare_target
     from .decoding_plan import engine_context
-    from .drafters import load_proposer, resolve_drafter_path, split_fixed
+    from .drafters import checkpoint_of, load_proposer, split_fixed
 
     decode = config.decode
     slots = slots or decode.max_batch
     capacity = engine_context(config, load_target_config(prepare_target(config.target, log)), drafter, slots, capacity,
                               resolve_device(config.target.device), log, response_tokens)
-    if split_fixed(drafter)[0] not in ("none", "ngram", "suffix"):
-        resolve_drafter_path(split_fixed(drafter)[0], run_dir)  # an unknown or missing drafter is refused before the target loads
+    checkpoint_of(drafter, run_dir)  # an unknown or missing drafter is refused before the target loads
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
