@@ -1,19 +1,23 @@
-"""Shared fixtures and helpers: an isolated dlite cache, the CLI run as a real subprocess, one trained micro run for the
+"""Shared fixtures and helpers: an isolated dlite cache, the CLI run in this process, one trained micro run for the
 session, a χ² test."""
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import shutil
 import subprocess
 import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from dlite_cli.cli import main
 from dlite_cli.core.devices import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,27 +32,53 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def cli(cache_dir: Path, cwd: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``dlite ARGS`` in ``cwd`` as a separate process (``env``: variables to add); return the CompletedProcess."""
-    done = subprocess.run(
-        [sys.executable, "-m", "dlite_cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200", **(env or {})},
-        timeout=300,
-    )
+def cli(cache_dir: Path, cwd: Path, *args: str, check: bool = True, env: dict | None = None, process: bool = False) -> subprocess.CompletedProcess:
+    """Run ``dlite ARGS`` in ``cwd`` (``env``: variables to add) as the command runs; return its exit status, stdout and
+    stderr.  It runs in this process (an exception the command does not turn into a message: exit status 1 and its
+    traceback, as Python's own), or with ``process`` as ``python -m dlite_cli``: for a variable read when a library is
+    imported, or a path to import from."""
+    variables = {"DLITE_CACHE": str(cache_dir), "COLUMNS": "200", **(env or {})}
+    if process:
+        done = subprocess.run([sys.executable, "-m", "dlite_cli", *args], cwd=cwd, capture_output=True, text=True,
+                              env={**os.environ, **variables}, timeout=300)
+    else:
+        done = _in_this_process(cwd, args, variables)
     if check and done.returncode != 0:
         raise AssertionError(f"dlite {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
+
+
+def _in_this_process(cwd: Path, args: tuple[str, ...], variables: dict) -> subprocess.CompletedProcess:
+    """``cli``'s run in this process: the working directory, the environment and sys.argv set for it and restored after."""
+    saved_variables, saved_cwd, saved_argv = {name: os.environ.get(name) for name in variables}, os.getcwd(), sys.argv
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.environ.update(variables)
+    os.chdir(cwd)
+    sys.argv = ["dlite", *args]
+    try:
+        with redirect_stdout(stdout), redirect_stderr(stderr):
+            try:
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code or 0  # dlite and click exit with a number
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        for name, value in saved_variables.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    return subprocess.CompletedProcess(["dlite", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture
 def run_cli(cache_dir, tmp_path):
     """``cli`` in ``tmp_path`` unless ``cwd`` says otherwise."""
 
-    def run(*args: str, check: bool = True, cwd: Path = tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
-        return cli(cache_dir, cwd, *args, check=check, env=env)
+    def run(*args: str, check: bool = True, cwd: Path = tmp_path, env: dict | None = None, process: bool = False) -> subprocess.CompletedProcess:
+        return cli(cache_dir, cwd, *args, check=check, env=env, process=process)
 
     return run
 

@@ -54,7 +54,8 @@ def test_bad_config_value_is_one_sentence_and_exit_2(run_cli):
     ("the drafter SJTU-DAI-Sys/Qwen3-4B-DLite", ["generate", "-p", "hi", "--drafter", "SJTU-DAI-Sys/Qwen3-4B-DLite"]),
 ])
 def test_without_the_hub_a_target_a_regen_source_a_workload_or_a_drafter_is_one_sentence_and_exit_2(run_cli, tmp_path, what, args):
-    done = run_cli(*args, "--target", "micro", check=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    done = run_cli(*args, "--target", "micro", check=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+                   process=True)  # the hub's library reads HF_HUB_OFFLINE when it is imported
     assert done.returncode == 2 and "Traceback" not in done.stderr
     *before, line = done.stderr.strip().splitlines()  # before it, at most what was decided (a GPU's dtype, not measured)
     assert all(" auto: " in earlier for earlier in before)

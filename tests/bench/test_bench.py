@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, cli
 
 from dlite_cli.core.config import DrafterConfig, TargetConfig
 from dlite_cli.models.model import Drafter, DrafterSpec
@@ -31,9 +31,7 @@ def bench_dir(cache_dir, tmp_path_factory):
     spec = DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=4, num_layers=1, head_rank=16), 0)
     torch.manual_seed(0)
     Drafter(spec).save(workdir / "mydrafter")
-    done = subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, "--methods", "ar,ngram,mydrafter,history"], cwd=workdir,
-                          env={**os.environ, "DLITE_CACHE": str(cache_dir), "COLUMNS": "200"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    cli(cache_dir, workdir, *BENCH, "--methods", "ar,ngram,mydrafter,history")
     return workdir / "runs" / "micro" / "bench"
 
 
@@ -96,10 +94,10 @@ def test_multi_turn_replay_grows_the_context(bench_dir):
     assert contexts == sorted(contexts) and len(contexts) >= 2
 
 
-def test_a_killed_bench_resumes_without_duplicating(cache_dir, tmp_path):
-    env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
-    command = [sys.executable, "-m", "dlite_cli", *BENCH, "--suite", "agentic", "--methods", "ar,ngram", "--limit", "2", "--concurrency", ""]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_a_killed_bench_resumes_without_duplicating(cache_dir, run_cli, tmp_path):
+    args = (*BENCH, "--suite", "agentic", "--methods", "ar,ngram", "--limit", "2", "--concurrency", "")
+    process = subprocess.Popen([sys.executable, "-m", "dlite_cli", *args], cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = tmp_path / "runs" / "micro" / "bench" / "results.jsonl"
     deadline = time.time() + 300
     while not (results.exists() and len(results.read_text().splitlines()) >= 2):
@@ -108,18 +106,16 @@ def test_a_killed_bench_resumes_without_duplicating(cache_dir, tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     before = len(lines(results))
-    subprocess.run(command, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+    run_cli(*args)
     keys = Counter((r["workload"], r["episode"], r["method"]) for r in lines(results))
     assert before >= 2 and max(keys.values()) == 1 and len(keys) == 4 * 2 * 2  # (bfcl_v3, tooltalk, tau2_airline, swe_bench) x 2 episodes x 2 methods
-    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = run_cli(*args)
     assert "measured 0, reused 16" in again.stderr and len(lines(results)) == 16
 
 
-def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_again(cache_dir, tmp_path):
-    env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
-
+def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_again(run_cli, tmp_path):
     def bench(*args: str) -> None:
-        subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, *args], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        run_cli(*BENCH, *args)
 
     run = tmp_path / "runs" / "micro" / "bench"
     bench("--suite", "agentic", "--methods", "ar,ngram")  # bfcl_v3, tooltalk, tau2_airline and swe_bench, one episode each
@@ -146,14 +142,11 @@ def test_a_second_plan_reuses_the_first_plans_measurements_and_force_measures_ag
     assert len(lines(run / "results.jsonl")) == len(records) + 6
 
 
-def test_suffix_decoding_measures_an_episode_holding_the_workloads_earlier_ones_and_a_later_plan_rebuilds_that_tree(cache_dir, tmp_path):
+def test_suffix_decoding_measures_an_episode_holding_the_workloads_earlier_ones_and_a_later_plan_rebuilds_that_tree(run_cli, tmp_path):
     """Three episodes at once, and two then a third in another run: the third is measured on the same global tree (its
     proposals, all K every round, are the same), the second time built from the first two's stored responses."""
-    env = {**os.environ, "DLITE_CACHE": str(cache_dir)}
-
     def bench(run: str, limit: int) -> list[dict]:
-        subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, "--workload", "swe_bench", "--limit", str(limit), "--methods", "ar,suffix:fixed",
-                        "--concurrency", "", "--run-dir", run], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+        run_cli(*BENCH, "--workload", "swe_bench", "--limit", str(limit), "--methods", "ar,suffix:fixed", "--concurrency", "", "--run-dir", run)
         return [r for r in lines(tmp_path / run / "bench" / "results.jsonl") if r["method"] == "suffix:fixed"]
 
     at_once = bench("at-once", 3)
@@ -172,11 +165,10 @@ def test_suffix_decoding_measures_an_episode_holding_the_workloads_earlier_ones_
     assert {r["method"]: r["suffix tree"] for r in details["rows"]} == {"ar": "", "suffix:fixed": "0–2"}
 
 
-def test_a_named_data_file_that_gives_no_episode_is_an_error(cache_dir, tmp_path):
+def test_a_named_data_file_that_gives_no_episode_is_an_error(run_cli, tmp_path):
     data = tmp_path / "humaneval.jsonl"
     data.write_text("not json\n{broken\n")
-    done = subprocess.run([sys.executable, "-m", "dlite_cli", *BENCH, "--workload", "humaneval", "--data", f"humaneval={data}", "--methods", "ar"],
-                          cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, capture_output=True, text=True, timeout=300)
+    done = run_cli(*BENCH, "--workload", "humaneval", "--data", f"humaneval={data}", "--methods", "ar", check=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"--data humaneval={data}: no humaneval records found: 2 unreadable, the first because line 1 is not valid JSON" in done.stderr
     assert not (tmp_path / "runs" / "micro" / "bench").exists()  # refused before anything was written
@@ -223,15 +215,13 @@ def test_log_axes_are_labelled_with_plain_numbers_only():
     plt.close(figure)
 
 
-def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_plain_decoding_is_timed(bench_dir, cache_dir, tmp_path):
+def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_plain_decoding_is_timed(bench_dir, run_cli, tmp_path):
     """bfloat16 rounds by pass shape: the bench pads every pass to K + 1 tokens (static path), so the
     adaptive drafter, its fixed-K variant, the hybrid and padded plain decoding agree; ar:fastest (one
     token a pass, eager) is timed beside them and is the speedup's baseline."""
     drafter = bench_dir.parent.parent.parent / "mydrafter"
     methods = f"ar,ngram,{drafter},{drafter}:fixed,{drafter}+ngram"
-    command = [sys.executable, "-m", "dlite_cli", *BENCH, "--suite", "general", "--methods", methods, "--concurrency", "",
-               "--set", "target.dtype=bfloat16"]
-    subprocess.run(command, cwd=tmp_path, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, check=True, capture_output=True, timeout=600)
+    run_cli(*BENCH, "--suite", "general", "--methods", methods, "--concurrency", "", "--set", "target.dtype=bfloat16")
     run = tmp_path / "runs" / "micro" / "bench"
     expected_path = decode_path("auto", DEVICE, torch.bfloat16)  # static on a CPU, graphs on CUDA
     summary = json.loads((run / "manifest.json").read_text())["summary"]

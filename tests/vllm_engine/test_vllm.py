@@ -356,7 +356,7 @@ def test_torch_extensions_vllm_pulls_in_are_refused_in_one_sentence_naming_them(
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), *VLLM_EXTENSIONS],
                    check=True, capture_output=True)  # `pip install '.[vllm]'` leaves them
     env = {"PYTHONPATH": str(site)}
-    refused = run_cli("bench", *CLI_OPTIONS, "--engine", "vllm", "--workload", "mt_bench", check=False, env=env)
+    refused = run_cli("bench", *CLI_OPTIONS, "--engine", "vllm", "--workload", "mt_bench", check=False, env=env, process=True)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0 are installed but cannot load with torch" in refused.stderr
     assert "pip uninstall -y torchvision torchaudio torchcodec" in refused.stderr
