@@ -13,6 +13,7 @@ import traceback
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -50,13 +51,10 @@ def cli(cache_dir: Path, cwd: Path, *args: str, check: bool = True, env: dict | 
 
 def _in_this_process(cwd: Path, args: tuple[str, ...], variables: dict) -> subprocess.CompletedProcess:
     """``cli``'s run in this process: the working directory, the environment and sys.argv set for it and restored after."""
-    saved_variables, saved_cwd, saved_argv = {name: os.environ.get(name) for name in variables}, os.getcwd(), sys.argv
-    stdout, stderr = io.StringIO(), io.StringIO()
-    os.environ.update(variables)
+    stdout, stderr, before = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(cwd)
-    sys.argv = ["dlite", *args]
     try:
-        with redirect_stdout(stdout), redirect_stderr(stderr):
+        with patch.dict(os.environ, variables), patch.object(sys, "argv", ["dlite", *args]), redirect_stdout(stdout), redirect_stderr(stderr):
             try:
                 main()
                 code = 0
@@ -66,10 +64,7 @@ def _in_this_process(cwd: Path, args: tuple[str, ...], variables: dict) -> subpr
                 traceback.print_exc()
                 code = 1
     finally:
-        sys.argv = saved_argv
-        os.chdir(saved_cwd)
-        for name, value in saved_variables.items():
-            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+        os.chdir(before)
     return subprocess.CompletedProcess(["dlite", *args], code, stdout.getvalue(), stderr.getvalue())
 
 

@@ -88,10 +88,9 @@ def _traced_training_plan(config: Config, train, arch, stage: str, device_type: 
         warnings.simplefilter("ignore")  # autocast on the CPU warns of the norms it cannot fuse: the plan is not that run
         for _ in range(min(2, train.global_batch // (train.micro_batch * processes))):  # the second holds the first's gradients
             batches = stage_batches(plan, train, drafter, teacher, sequences, list(range(len(sequences))), base_spec.draft_tokens)
-            # in the fake mode, the tensors the loss makes from shapes alone (positions, masks) are fake too: nothing is computed
-            with mode, torch.autocast("cpu", dtype=AUTOCAST.get(autocast, torch.bfloat16), enabled=autocast in AUTOCAST):
-                loss = stage_loss(plan, train, drafter, teacher, target.get_input_embeddings(), batches, weights, torch.device("cpu"))
-            with mode:
+            with mode:  # the tensors the loss makes from shapes alone (positions, masks) are fake too: nothing is computed
+                with torch.autocast("cpu", dtype=AUTOCAST.get(autocast, torch.bfloat16), enabled=autocast in AUTOCAST):
+                    loss = stage_loss(plan, train, drafter, teacher, target.get_input_embeddings(), batches, weights, torch.device("cpu"))
                 loss.backward()
             del batches, loss
     with counter:
