@@ -8,9 +8,8 @@ import torch
 
 from ..core.config import Config
 from ..core.memory import MIN_CONTEXT, MemoryPlan, device_memory, fake_mode, kv_bytes_per_token, module_bytes, most_that_fit, planned_dtype, refuse, size
-from ..models.linears import packed_bytes
+from ..models.linears import four_bit_bytes, packed_bytes
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec
-from ..models.runner import pass_width
 from ..models.targets import random_target
 from .drafters import split_fixed, split_lookup
 
@@ -63,9 +62,11 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
                  (slots * tokens + single_row_tokens) * per_token + kept * features_per_token}
     if packed_bytes(target, device_type):
         parts["packed target weights (oneDNN)"] = packed_bytes(target, device_type)
+    if four_bit_bytes(target, device_type):
+        parts["4-bit target weights (where they are 4-bit)"] = four_bit_bytes(target, device_type)
     if suffix_responses and device_type == "cpu":
         parts["suffix trees"] = suffix_tree_bytes(config, slots, tokens, suffix_responses)
-    width = max(config.drafter.draft_tokens + 1, pass_width(config.drafter.draft_tokens, dtype))
+    width = config.drafter.draft_tokens + 1
     parts["widest pass's logits"] = slots * width * arch.vocab_size * (dtype.itemsize + 4)  # and as float32 for sampling
     if config.decode.path == "graphs" or (config.decode.path == "auto" and device_type == "cuda"):
         parts["CUDA graph pool"] = slots * width * arch.vocab_size * dtype.itemsize  # the captured passes' logits
