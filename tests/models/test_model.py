@@ -196,3 +196,31 @@ def test_labels_of_a_kept_original_response_are_the_targets_own_while_the_text_f
     assert batch.labels.tolist() == [[12, 99, -100, -100], [14, 15, -100, -100]]
     regenerated = anchor_batch(Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids), torch.tensor([1]), K, 0)
     assert regenerated.labels.tolist() == [[12, 13, 14, 15]]  # the target wrote the text itself: labels are the text
+
+
+@pytest.mark.parametrize("options", [{}, {"composition": "feature"}, {"sequential_head": False}, {"draft_vocab": 64},
+                                     {"anchor_group": 2, "mask_token_id": 3, "context_position": 0}, {"family": "qwen3"}])
+def test_the_engines_draft_round_computes_what_the_drafter_drafts(target, cache_dir, options):
+    """models/draft_round.py runs a W = 0 round in fewer ops (fused, packed linears; the head's latent split): the same
+    tokens, logits and probabilities as Drafter.draft, greedy and sampled, in float32."""
+    from dlite_cli.models.draft_round import DraftRound
+
+    options = dict(options)
+    if options.pop("family", None):
+        target = load_model(prepare_target(TargetConfig(model="micro", micro=MicroConfig(family="qwen3")), log=lambda _: None), "float32", DEVICE)
+    drafter = make(target, 0, **options).to(DEVICE).eval()
+    if options.get("draft_vocab"):
+        drafter.set_draft_vocab(torch.randperm(target.config.vocab_size)[:64].to(DEVICE))
+    embed = target.get_input_embeddings()
+    context = torch.randn(3, len(drafter.spec.target_layer_ids), target.config.hidden_size, device=DEVICE)
+    group = torch.randint(target.config.vocab_size, (3, drafter.spec.anchor_group), device=DEVICE)
+    draft_round = DraftRound(drafter)
+    for pick in (None, lambda logits: torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=torch.Generator(DEVICE).manual_seed(0))[:, 0]):
+        picks = {} if pick is None else {"pick": pick}
+        tokens, logits, confidence = drafter.draft(context, group, embed, **picks)
+        fast_tokens, fast_logits, fast_confidence = draft_round(context, group, embed, **picks)
+        assert torch.equal(fast_tokens, tokens)
+        torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast_confidence, confidence, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="history-free"):
+        DraftRound(make(target, 128).to(DEVICE))

@@ -143,13 +143,14 @@ def test_the_drafter_reads_the_targets_features_at_the_pivot(llm, micro, prompts
     """The slots vLLM's capture gives the drafter are dlite's features (id k: layer k's output, id L: final-normed) at
     the position before the anchor, and the anchor is the last token committed."""
     proposer, committed, seen = proposer_of(llm), [], []
-    propose, draft = proposer.propose, proposer.drafter.draft
+    propose, draft_round = proposer.propose, proposer.adapter.round
     proposer.propose = lambda runner, *rest: committed.append(int(runner.input_batch.num_tokens_no_spec[0])) or propose(runner, *rest)
-    proposer.drafter.draft = lambda context, group, *rest: seen.append((context.clone(), group.clone())) or draft(context, group, *rest)
+    proposer.adapter.round = lambda context, group, *rest: seen.append((context.clone(), group.clone())) or draft_round(context, group, *rest)
     try:
         (output,) = generate(llm, prompts[1:2], max_tokens=8, temperature=0, ignore_eos=True)
     finally:
-        del proposer.propose, proposer.drafter.draft
+        del proposer.propose
+        proposer.adapter.round = draft_round
     tokens = prompts[1] + list(output.outputs[0].token_ids)
     runner = TargetRunner(micro[1], proposer.drafter.spec.target_layer_ids, slots=1, capacity=1024)
     _, features, _ = runner.prefill(0, tokens, all_features=True)  # (T, S, H)

@@ -38,6 +38,7 @@ from ..core.devices import median_ms
 from ..core.errors import DliteError
 from ..core.precision import decide
 from ..data.hub import from_hub, is_hub_id
+from ..models.draft_round import DraftRound
 from ..models.graphs import BUCKETS, CudaGraphs, bucket_for
 from ..models.model import FULL_HISTORY, Drafter, History, greedy_pick
 from ..models.release import is_release, load_drafter
@@ -314,14 +315,15 @@ class ModelDrafter(NoDrafter):
 class DLiteAdapter(ModelDrafter):
     """A W = 0 checkpoint (DLite, or the parallel ablation): one block from the pivot features and the anchor.
 
-    Its round has fixed shapes whatever the context, so with ``graphs`` a greedy round is one CUDA
-    graph per batch bucket (rows padded with copies of the first)."""
+    Its round (models/draft_round.py) has fixed shapes whatever the context, so with ``graphs`` a greedy round
+    is one CUDA graph per batch bucket (rows padded with copies of the first)."""
 
     needs_all_features = False
 
     def __init__(self, drafter: Drafter, embed, name: str, graphs: bool = False):
         super().__init__(name, drafter.spec.draft_tokens, drafter.spec.target_layer_ids)
         self.drafter, self.embed = drafter, embed
+        self.round = DraftRound(drafter) if drafter.spec.history_window == 0 else None
         self.graphs = CudaGraphs(enabled=graphs)
 
     def _model_draft(self, rows, pick) -> Draft:
@@ -343,6 +345,8 @@ class DLiteAdapter(ModelDrafter):
 
     def _block(self, context, group, pick=greedy_pick, history: History | None = None):
         """context (B, S, H), anchor groups (B, G) → draft tokens (B, K), logits (B, K, V'), confidence (B, K)."""
+        if self.round is not None:
+            return self.round(context, group, self.embed, pick)
         return self.drafter.draft(context, group, self.embed, history, pick)
 
     def _history(self, rows) -> History | None:
@@ -441,12 +445,13 @@ def for_rows(pick, indices: list[int]):
 
 
 def draft_round_ms(drafter: Drafter, embed, repeats: int = 5) -> float:
-    """ms of one draft round of ``drafter`` at batch 1 on its device and in its dtype (a random pivot: the
-    round's cost does not depend on the values; a history drafter's is timed without history)."""
+    """ms of one draft round of ``drafter`` at batch 1 on its device and in its dtype, as the engine runs it (a random
+    pivot: the round's cost does not depend on the values; a history drafter's is timed without history)."""
     spec, weight = drafter.spec, drafter.norm.weight
     context = torch.randn(1, len(spec.target_layer_ids), spec.hidden_size, device=weight.device, dtype=weight.dtype)
     group = torch.zeros(1, spec.anchor_group, dtype=torch.long, device=weight.device)
-    return median_ms(lambda: drafter.draft(context, group, embed), repeats, weight.device)
+    draft = DraftRound(drafter) if spec.history_window == 0 else lambda *inputs: drafter.draft(*inputs)
+    return median_ms(lambda: draft(context, group, embed), repeats, weight.device)
 
 
 def draft_dtype(setting: str, drafter: Drafter, embed, log=print) -> str:
