@@ -215,15 +215,39 @@ def test_log_axes_are_labelled_with_plain_numbers_only():
     plt.close(figure)
 
 
-def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_plain_decoding_is_timed(bench_dir, run_cli, tmp_path):
-    """bfloat16 rounds by pass shape: the bench pads every pass to K + 1 tokens (static path), so the
-    adaptive drafter, its fixed-K variant, the hybrid and padded plain decoding agree; ar:fastest (one
-    token a pass, eager) is timed beside them and is the speedup's baseline."""
+def test_in_bfloat16_passes_are_as_wide_as_their_tokens_and_the_details_count_the_turns_with_plain_decodings_text(bench_dir, run_cli, tmp_path):
+    """Below float32 every pass has just its own tokens (plain decoding one), so no padded plain decoding is timed,
+    and the methods' texts agree with plain decoding's only up to rounding: the details table says on how many turns."""
+    drafter = bench_dir.parent.parent.parent / "mydrafter"
+    run_cli(*BENCH, "--suite", "general", "--methods", f"ar,ngram,{drafter}", "--concurrency", "", "--set", "target.dtype=bfloat16")
+    run = tmp_path / "runs" / "micro" / "bench"
+    manifest = json.loads((run / "manifest.json").read_text())
+    expected_path = decode_path("auto", DEVICE, torch.bfloat16)  # eager on a CPU, graphs on CUDA
+    assert manifest["summary"]["decode_path"] == expected_path
+    methods = {r["method"] for r in lines(run / "results.jsonl")}
+    assert methods == {"ar", "ngram", str(drafter)} or expected_path == "graphs"  # no ar:fastest beside ar (a GPU's graphs pad)
+    shas = {(r["workload"], r["episode"], r["method"], t["turn"]): t["output_sha"] for r in lines(run / "results.jsonl") for t in r["turns"]
+            if "output_sha" in t}
+    rows = json.loads((run / "details.json").read_text())["rows"]
+    for row in rows:
+        if row["method"] == "ar" or row["method"] == "ar:fastest":
+            assert row["text as plain"] == "" or row["method"] == "ar:fastest"
+            continue
+        turns = [k for k in shas if k[0] == row["workload"] and k[2] == row["method"]]
+        same = sum(shas[k] == shas[k[0], k[1], "ar", k[3]] for k in turns)
+        assert row["text as plain"] == f"{same}/{len(turns)}" and turns
+
+
+def test_with_identical_text_every_method_writes_plain_decodings_text_in_bfloat16_and_the_fastest_plain_decoding_is_timed(bench_dir, run_cli, tmp_path):
+    """decode.identical_text pads every pass to K + 1 tokens on fixed shapes (static path), so the adaptive drafter,
+    its fixed-K variant, the hybrid and padded plain decoding agree on every turn; ar:fastest (one token a pass,
+    eager) is timed beside them and is the speedup's baseline."""
     drafter = bench_dir.parent.parent.parent / "mydrafter"
     methods = f"ar,ngram,{drafter},{drafter}:fixed,{drafter}+ngram"
-    run_cli(*BENCH, "--suite", "general", "--methods", methods, "--concurrency", "", "--set", "target.dtype=bfloat16")
+    run_cli(*BENCH, "--suite", "general", "--methods", methods, "--concurrency", "", "--set", "target.dtype=bfloat16",
+            "--set", "decode.identical_text=true")
     run = tmp_path / "runs" / "micro" / "bench"
-    expected_path = decode_path("auto", DEVICE, torch.bfloat16)  # static on a CPU, graphs on CUDA
+    expected_path = decode_path("auto", DEVICE, torch.bfloat16, identical_text=True)  # static on a CPU, graphs on CUDA
     summary = json.loads((run / "manifest.json").read_text())["summary"]
     assert summary["decode_path"] == expected_path
     assert (summary["graph_captures"] > 0) == (expected_path == "graphs")  # the static path captures nothing
@@ -234,6 +258,11 @@ def test_in_bfloat16_every_method_writes_plain_decodings_text_and_the_fastest_pl
     assert len(by_episode) >= 3
     for texts in by_episode.values():
         assert "ar:fastest" in texts and len({tuple(v) for m, v in texts.items() if m != "ar:fastest"}) == 1
+    details = json.loads((run / "details.json").read_text())
+    for row in details["rows"]:
+        if row["method"] not in ("ar", "ar:fastest"):
+            same, total = map(int, row["text as plain"].split("/"))
+            assert same == total >= 1
 
 
 def test_without_vllm_bench_compare_is_left_out_in_one_line(monkeypatch):

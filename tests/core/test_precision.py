@@ -154,7 +154,7 @@ def test_target_dtype_auto_times_the_work_it_is_loaded_for(cache_dir, monkeypatc
     lines = []
     batched = load_model(prepared, "auto", CPU, lines.append, Work("batched", batch=4))
     decoding = load_model(prepared, "auto", CPU, lines.append, Work("decoding", draft_tokens=4))
-    assert len(lines) == 2 and "a pass over 4 rows" in lines[0] and "a decode step + a 5-token verify" in lines[1]
+    assert len(lines) == 2 and "a pass over 4 rows" in lines[0] and "a decode step + verifies of 2, 4, 5 tokens" in lines[1]
     for line, model in zip(lines, (batched, decoding)):
         assert "in float32" in line and "in bfloat16" in line
         assert f"; using {str(model.dtype).removeprefix('torch.')}: " in line and "(remembered in " in line

@@ -473,3 +473,40 @@ def test_a_graph_captured_inside_a_round_is_taken_out_of_its_time(micro, prompts
     (request,) = engine.run([Request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS))])
     assert request.output_ids == reference[0] and request.stats.capture_seconds >= 0.3
     assert request.stats.verify_seconds < 0.3  # every pass of micro together takes a fraction of the capture
+
+
+def test_a_4_bit_models_weights_are_read_as_4_bits_by_narrow_passes_and_float_trained_ones_are_not():
+    """A weight whose every group of 32 along a row lies on 16 evenly spaced levels (a 4-bit model's, dequantised) gets a
+    4-bit copy, which passes of up to FOUR_BIT_ROWS rows read; wider ones, and weights trained in a float type, run the
+    bfloat16 copy.  Both compute the layer up to bfloat16 rounding."""
+    from dlite_cli.models.linears import FOUR_BIT_ROWS, Projection, four_bit, packs
+
+    if not packs(torch.device("cpu"), torch.bfloat16) or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this CPU's oneDNN does not pack bfloat16")
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (64, 4, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # as a Q4_1 file has them: each group's least and largest weight on its end levels
+    step = torch.rand(64, 4, 1) * 0.01 + 0.002
+    grid = (step * (codes - 7.5 + torch.randn(64, 4, 1))).view(64, 128)
+    layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(grid)
+    projection = Projection([layer], pack=True, four_bits=True)
+    assert projection.four_bit is not None and four_bit(torch.randn(64, 128).to(torch.bfloat16)) is None
+    for rows in (1, FOUR_BIT_ROWS, FOUR_BIT_ROWS + 4):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        reference = x.float() @ grid.T
+        torch.testing.assert_close(projection.fused(x).float(), reference, rtol=0.02, atol=0.02)
+    assert projection.packed_bytes > 64 * 128 * 2  # the bfloat16 copy and the 4-bit one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("identical_text", [False, True])
+def test_a_pass_is_as_wide_as_its_tokens_unless_identical_text_or_a_gpus_graphs_fix_its_shape(dtype, identical_text):
+    from dlite_cli.models.runner import decode_path, pass_width
+
+    path = decode_path("auto", torch.device("cpu"), dtype, identical_text)
+    fixed = identical_text and dtype != torch.float32
+    assert path == ("static" if fixed else "eager") and pass_width(K, dtype, path, identical_text) == (K + 1 if fixed else 1)
+    graphs = decode_path("auto", torch.device("cuda"), dtype, identical_text)
+    assert graphs == "graphs" and pass_width(K, dtype, graphs, identical_text) == (1 if dtype == torch.float32 else K + 1)

@@ -123,8 +123,9 @@ class Bench:
         episodes, unavailable = self._load_episodes()
         memory = self._memory_plan()
         model, self.tokenizer, target = load_target(self.config.target, self.log, Work.decoding(self.config))
-        self.path = decode_path(self.config.decode.path, model.device, model.dtype)
-        width = pass_width(self.config.drafter.draft_tokens, model.dtype)
+        decode = self.config.decode
+        self.path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
+        width = pass_width(self.config.drafter.draft_tokens, model.dtype, self.path, decode.identical_text)
         recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode),
                     "draft_tokens": self.config.drafter.draft_tokens, "decode_path": self.path}
         digest = config_hash(recorded, target.fingerprint)
@@ -403,7 +404,7 @@ class Bench:
         runner = engine.runner
         path = runner.path if engine.drafter.draft_tokens else self.fastest_path
         wide_runner = TargetRunner(runner.model, runner.capture_layers, level, runner.capacity, runner.prefill_chunk, path,
-                                   pass_width(engine.drafter.draft_tokens, runner.model.dtype), keep_features=False)  # one turn each
+                                   runner.width if engine.drafter.draft_tokens else 1, keep_features=False)  # one turn each
         wide = Engine(wide_runner, engine.drafter, engine.eos_ids, engine.detokenize)  # the drafter keeps its costs
         if suffix_part(engine.drafter):  # a global tree of the sweep's own requests alone
             suffix_part(engine.drafter).reset()

@@ -113,7 +113,7 @@ class Profiler:
             build = lambda name: random_target(self.arch, getattr(torch, name), self.device)  # noqa: E731
             self.dtype_name = target_dtype(build, self.device, Work.decoding(config), f"random weights of {config.name}", log)
         self.dtype = getattr(torch, self.dtype_name)
-        self.path = decode_path(config.decode.path, self.device, self.dtype)
+        self.path = decode_path(config.decode.path, self.device, self.dtype, config.decode.identical_text)
         self.model = random_target(self.arch, self.dtype, self.device)
         self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
         self.draft_dtype_name = draft_dtype(config.decode.draft_dtype, Drafter(self.spec).to(self.device).eval(), self.model.get_input_embeddings(), log)

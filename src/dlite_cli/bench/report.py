@@ -42,19 +42,21 @@ def paper_results() -> dict:
 
 
 def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
-    """(workload, method) → τ, decode time per token, tokens/s, times per round, acceptance, source."""
+    """(workload, method) → τ, decode time per token, tokens/s, times per round, acceptance, source, and on how many
+    turns the method wrote its engine's plain decoding's text (``same_text``: [turns alike, turns compared])."""
+    plain_text = {(r["workload"], r["episode"], r["method"], i): t.get("output_sha") for r in results for i, t in enumerate(r["turns"])}
     groups: dict[tuple[str, str], dict] = {}
     for record in results:
         group = groups.setdefault((record["workload"], record["method"]), {
             "rounds": 0, "committed": 0, "prefill_s": 0.0, "draft_s": 0.0, "verify_s": 0.0,
             "proposed": None, "accepted": None, "episodes": 0, "source": record["source"], "drafter": record["drafter"],
-            "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {}, "tree_responses": [],
+            "origin": record.get("origin", ""), "draft_kv_bytes": 0, "by_episode": {}, "tree_responses": [], "same_text": [0, 0],
         })
         group["episodes"] += 1
         if "suffix_tree" in record:
             group["tree_responses"].append(record["suffix_tree"]["responses"])
         episode = group["by_episode"].setdefault(record["episode"], [0.0, 0])  # [decode s, tokens]
-        for turn in record["turns"]:
+        for index, turn in enumerate(record["turns"]):
             if "skipped" in turn:
                 continue
             episode[0] += turn["draft_s"] + turn["verify_s"] + turn["overhead_s"]
@@ -65,6 +67,10 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             group["draft_s"] += turn["draft_s"]
             group["verify_s"] += turn["verify_s"]
             group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
+            plain = plain_text.get((record["workload"], record["episode"], plain_of(record["method"]), index))
+            if plain and record["method"] != plain_of(record["method"]):
+                group["same_text"][0] += turn.get("output_sha") == plain
+                group["same_text"][1] += 1
             for key in ("proposed", "accepted"):
                 group[key] = [a + b for a, b in zip(group[key], turn[key])] if group[key] else list(turn[key])
     for g in groups.values():  # the workload's totals are its episodes'
@@ -89,7 +95,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
             "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
             "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"], "origin": g["origin"],
-            "draft_kv_bytes": g["draft_kv_bytes"], "tree_responses": g["tree_responses"],
+            "draft_kv_bytes": g["draft_kv_bytes"], "tree_responses": g["tree_responses"], "same_text": g["same_text"],
         }
     return out
 
@@ -332,7 +338,7 @@ def write_report(directory: Path, results: list[dict], throughput: list[dict], u
     stats = aggregate(results)
     detail = Table("details", "All workloads, every measurement", ["workload", "method", "source", "episodes", "tokens", "tau", "speedup",
                                                                     "speedup 90% interval", "tokens/s", "proposed/round", "draft ms/round", "verify ms/round", "prefill s",
-                                                                    "draft KV MB", "suffix tree", "acceptance"])
+                                                                    "draft KV MB", "suffix tree", "text as plain", "acceptance"])
     for (workload, method), s in sorted(stats.items()):
         detail.rows.append({"workload": workload, "method": method, "source": s["source"], "episodes": s["episodes"], "tokens": s["tokens"],
                             "tau": _cell(s["tau"]), "speedup": _cell(s["speedup"]),
@@ -342,11 +348,15 @@ def write_report(directory: Path, results: list[dict], throughput: list[dict], u
                             "draft ms/round": _cell(s["draft_ms_per_round"], 1), "verify ms/round": _cell(s["verify_ms_per_round"], 1),
                             "prefill s": _cell(s["prefill_s"], 1), "draft KV MB": _cell(s["draft_kv_bytes"] / 1e6),
                             "suffix tree": f"{min(s['tree_responses'])}–{max(s['tree_responses'])}" if s["tree_responses"] else "",
+                            "text as plain": "{}/{}".format(*s["same_text"]) if s["same_text"][1] else "",
                             "acceptance": " ".join(_cell(a) or "-" for a in s["acceptance"])})
     detail.notes.append("speedup 90% interval: the workload's episodes resampled (bootstrap), each method's time paired with plain "
                         "decoding's on the same episode; where it spans 1.00 the episodes cannot tell the method from plain decoding")
     detail.notes.append("prefill s: the target's own work, shared: a method reuses the prompt keys/values an earlier method "
                         "left on the same episode, except history drafters, which need every prompt position's features")
+    detail.notes.append("text as plain: the turns on which the method wrote the text its engine's plain decoding wrote (ar, vllm:ar), "
+                        "of those both decoded; greedy in float32 every turn, below float32 the same only up to rounding "
+                        "(decode.identical_text makes it every turn)")
     detail.notes.append("suffix tree: the earlier responses suffix decoding's global tree held as an episode began (the workload's "
                         "earlier episodes, every turn; then it also holds the episode's own earlier turns), fewest–most; blank where it "
                         "held none (vLLM's runs, or suffix.max_cached_requests 0)")

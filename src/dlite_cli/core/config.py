@@ -190,8 +190,13 @@ class DecodeConfig:
     #   static  fixed shapes: rows padded to a bucket (1, 2, 4, … 64), the whole allocated KV cache
     #           attended under a mask built on the device, one host read per round
     #   graphs  static, each (bucket, width) target pass and the DLite draft round captured as a CUDA graph
-    #   auto    graphs on CUDA; on a CPU eager in float32, static below it
+    #   auto    graphs on CUDA; on a CPU eager (static with identical_text below float32)
     path: Literal["auto", "eager", "static", "graphs"] = "auto"
+    # Greedy text is the same for every method in float32.  Below it (bfloat16), passes of different widths round
+    # differently, so methods write the same text only up to rounding, as in vLLM and SGLang.  true: below float32 every
+    # pass is padded to K + 1 tokens on fixed shapes (the static path), so that every method writes plain decoding's
+    # exact text, at a cost: on a 2-core AVX-512 EPYC such a pass took 1.3-2.1x a one-token step (docs/precision.md).
+    identical_text: bool = False
     # Propose per row only the tokens expected to pay for their verify, at the verify cost measured at
     # start-up (adaptive.py; eager path).  A method name ending in :fixed always proposes K, as the paper does.
     adaptive: bool = True

@@ -417,9 +417,9 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
                               resolve_device(config.target.device), log, response_tokens)
     checkpoint_of(drafter, run_dir)  # an unknown or missing drafter is refused before the target loads
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
-    path = decode_path(decode.path, model.device, model.dtype)
+    path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
-    width = pass_width(proposer.draft_tokens, model.dtype)
+    width = pass_width(proposer.draft_tokens, model.dtype, path, decode.identical_text)
     runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer

@@ -30,7 +30,7 @@ from ..core.devices import median_ms
 from ..core.errors import DliteError
 from .graphs import CudaGraphs, bucket_for
 from .linears import target_linears
-from .model import SUPPORTED_FAMILIES, apply_rope, grouped_attention
+from .model import SUPPORTED_FAMILIES, grouped_attention
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
 SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
@@ -38,19 +38,26 @@ COST_CONTEXT = 512  # context the verify costs are measured at (adaptive draftin
 PATHS = ("eager", "static", "graphs")
 
 
-def decode_path(setting: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``decode.path`` → the path to run.  auto: graphs on CUDA; on a CPU eager in float32 and static in a
-    lower precision, whose matmuls and attention round differently for passes of different shapes: only
-    fixed shapes give every method the same greedy text (see :func:`pass_width`)."""
+def decode_path(setting: str, device: torch.device, dtype: torch.dtype, identical_text: bool = False) -> str:
+    """``decode.path`` → the path to run.  auto: graphs on CUDA; on a CPU eager, or static where ``identical_text``
+    asks for the same greedy text from every method below float32 (see :func:`pass_width`)."""
     if setting == "auto":
-        return "graphs" if device.type == "cuda" else "eager" if dtype == torch.float32 else "static"
+        if device.type == "cuda":
+            return "graphs"
+        return "static" if identical_text and dtype != torch.float32 else "eager"
     return setting
 
 
-def pass_width(draft_tokens: int, dtype: torch.dtype) -> int:
-    """The fewest tokens in a decode pass: 1 in float32, K + 1 in a lower precision, for the same reason
-    (where such a precision is the fast one, a wider pass costs about the same: a CPU with bf16, a GPU)."""
-    return 1 if dtype == torch.float32 else draft_tokens + 1
+def pass_width(draft_tokens: int, dtype: torch.dtype, path: str, identical_text: bool = False) -> int:
+    """The fewest tokens in a decode pass: as many as the pass has (a step is 1 token), but K + 1 below float32 where
+    shapes are fixed: CUDA graphs (a graph per batch bucket, where a wider pass costs about the same), or
+    ``identical_text``.  A lower precision's matmuls and attention round by shape, so only passes of one width on the
+    static path compute a position alike in plain decoding and under every drafter, and give them the same greedy
+    text; otherwise their texts agree up to rounding, as in vLLM and SGLang.  On a CPU the width costs: a bfloat16
+    pass of 8 tokens took 1.3-2.1x a step on a 2-core AVX-512 EPYC."""
+    if dtype == torch.float32 or not (path == "graphs" or identical_text):
+        return 1
+    return draft_tokens + 1
 
 
 class TargetRunner:
@@ -58,9 +65,7 @@ class TargetRunner:
 
     def __init__(self, model, capture_layers: list[int], slots: int, capacity: int, prefill_chunk: int = 512, path: str = "eager",
                  width: int = 1, keep_features: bool = True):
-        """``width``: the fewest tokens in a decode pass (a row's own, then padding).  K + 1 makes plain
-        decoding and every drafter compute each position with the same shapes: in a lower precision,
-        whose matmuls round by shape, that is what gives them the same greedy text.  ``keep_features``:
+        """``width``: the fewest tokens in a decode pass (a row's own, then padding; :func:`pass_width`).  ``keep_features``:
         keep a prefill's features for a next turn (not worth their memory where requests have one turn)."""
         config = model.config
         if config.model_type not in SUPPORTED_FAMILIES:
@@ -78,7 +83,7 @@ class TargetRunner:
         self.linears = target_linears(model)
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
-        self.kv_heads = config.num_key_value_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -131,9 +136,9 @@ class TargetRunner:
         reused = 0
         while reused < reusable and held[reused] == prompt[reused]:
             reused += 1
-        if self.keys[0].dtype != torch.float32:
-            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill,
-            # which lower precisions need for the same result (their matmuls round by shape)
+        if self.width > 1 and self.keys[0].dtype != torch.float32:
+            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill, which
+            # fixed-width passes in a lower precision need for the same result (their matmuls round by shape)
             reused -= reused % self.prefill_chunk
         self.truncate(slot, reused)
         features = [self.features[slot]] if all_features and reused else []
@@ -185,15 +190,17 @@ class TargetRunner:
         """The eager pass: ``tokens`` (B, Q) after ``slots``' held tokens → logits (B, Q or 1, V) and
         features (B, Q or 1, S, H) (S = 0 when no layer is captured)."""
         B, Q = tokens.shape
-        starts = torch.tensor([self.length(s) for s in slots], device=self.device)
-        span = int(starts.max()) + Q
+        lengths = [self.length(s) for s in slots]
+        starts = torch.tensor(lengths, device=self.device)
+        span = max(lengths) + Q
         self._check(span)
         self._reserve(span)
         positions = starts[:, None] + torch.arange(Q, device=self.device)  # (B, Q)
         mask = None
         if B > 1 or Q > 1:  # key j is visible to query (b, i) iff j ≤ positions[b, i]
             mask = (torch.arange(span, device=self.device) <= positions[..., None])[:, None]  # (B, 1, Q, span)
-        return self._pass(self._rows(slots), tokens.to(self.device), positions, span, mask, logits_at_last, features_at_last)
+        start = lengths[0] if min(lengths) == max(lengths) else None
+        return self._pass(self._rows(slots), tokens.to(self.device), positions, span, mask, logits_at_last, features_at_last, start)
 
     def _forward_static(self, slots: list[int], tokens: torch.Tensor):
         """The fixed-shape pass over the first ``bucket`` slots; rows not in ``slots`` are padding (their
@@ -224,24 +231,26 @@ class TargetRunner:
         return self._pass(slice(0, tokens.shape[0]), tokens, positions, span, mask, False, False)
 
     @torch.no_grad()
-    def _pass(self, rows, tokens, positions, span, mask, logits_at_last, features_at_last):
+    def _pass(self, rows, tokens, positions, span, mask, logits_at_last, features_at_last, start: int | None = None):
         """The model's layers over ``tokens`` (B, Q) at ``positions`` (B, Q) of cache ``rows``, attending to
-        the first ``span`` cache entries under ``mask`` (B, 1, Q, span) or causally alone (None)."""
+        the first ``span`` cache entries under ``mask`` (B, 1, Q, span) or causally alone (None).  ``start``: the
+        position every row's tokens begin at, where the host knows it (the keys/values are then written as a slice)."""
         inner = self.model.model
         h = inner.embed_tokens(tokens)
-        cos, sin = inner.rotary_emb(h, positions)
+        rotation = Rotation(*inner.rotary_emb(h, positions))
+        where = (rows, slice(None), slice(start, start + tokens.shape[1])) if start is not None else (self._row_index(rows)[:, None], slice(None), positions)
         captured = []
         for index, layer in enumerate(self.layers):
-            h = h + self._attention(index, layer.self_attn, layer.input_layernorm(h), (cos, sin), rows, positions, span, mask)
-            h = h + self.linears.layers[index].mlp(layer.post_attention_layernorm(h))
+            h = h + self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, h), rotation, rows, where, span, mask)
+            h = h + self.linears.layers[index].mlp(rms_norm(layer.post_attention_layernorm, h))
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
         B, Q = tokens.shape
         if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
-            h = inner.norm(h)
+            h = rms_norm(inner.norm, h)
             captured.append(h[:, -1:] if features_at_last else h)
         else:
-            h = inner.norm(h[:, -1:] if logits_at_last else h)
+            h = rms_norm(inner.norm, h[:, -1:] if logits_at_last else h)
         if captured:
             features = torch.stack(captured, dim=2)
         else:
@@ -269,17 +278,44 @@ class TargetRunner:
             return slice(slots[0], slots[0] + len(slots))
         return torch.tensor(slots, device=self.device)
 
-    def _attention(self, index, attention, x, rope_cos_sin, rows, positions, span, mask):
+    def _row_index(self, rows) -> torch.Tensor:
+        return torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
+
+    def _attention(self, index, attention, x, rotation, rows, where, span, mask):
+        """x (B, Q, H) normed → the attention's output (B, Q, H); its keys/values are written into the cache at ``where``."""
         B, Q, _ = x.shape
         linears = self.linears.layers[index]
-        q, k, v = (t.reshape(B, Q, -1, self.head_dim) for t in linears.qkv(x))
+        heads = self.heads
+        qkv = linears.qkv.fused(x).view(B, Q, -1, self.head_dim)  # (B, Q, heads + 2 kv_heads, d)
+        qk, v = qkv[:, :, : heads + self.kv_heads], qkv[:, :, heads + self.kv_heads :]
         if hasattr(attention, "q_norm"):  # qwen3
-            q, k = attention.q_norm(q), attention.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), *rope_cos_sin)
-        k = apply_rope(k.transpose(1, 2), *rope_cos_sin)
+            qk = torch.cat([rms_norm(attention.q_norm, qk[:, :, :heads]), rms_norm(attention.k_norm, qk[:, :, heads:])], dim=2)
+        qk = rotation(qk)
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:]
         keys, values = self.keys[index], self.values[index]
-        row_index = torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
-        keys[row_index[:, None], :, positions] = k.transpose(1, 2)  # (B, Q, kv_heads, d) at each row's positions
-        values[row_index[:, None], :, positions] = v
+        if isinstance(where[2], slice):  # (B, kv_heads, Q, d) into each row's run of positions
+            keys[where], values[where] = k.transpose(1, 2), v.transpose(1, 2)
+        else:  # (B, Q, kv_heads, d) at each row's positions
+            keys[where], values[where] = k, v
         out = grouped_attention(q, keys[rows, :, :span], values[rows, :, :span], mask, attention.scaling)
         return linears.o(out.transpose(1, 2).reshape(B, Q, -1))[0]
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face RMSNorm module's function, in one fused op (its own forward is seven)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+class Rotation:
+    """The target's rotary embedding at a pass's positions, applied to (B, Q, heads, d) in three ops:
+    x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = swap_halves(x)·[−sin₁, sin₂]."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        """cos, sin (B, Q, d) in the activations' dtype, as the model's ``rotary_emb`` gives them."""
+        half = cos.shape[-1] // 2
+        self.cos = cos[:, :, None]
+        self.sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return torch.addcmul(x * self.cos, swapped, self.sin)

@@ -83,17 +83,24 @@ def prepare_target(config: TargetConfig, log=print) -> PreparedTarget:
 class Work:
     """What a target is loaded for, by which ``target.dtype: auto`` is decided (precision.py): ``batched``
     passes over ``batch`` rows (regen, the feature pass), or ``decoding`` with ``draft_tokens`` K a round on
-    ``path`` (``decode.path``)."""
+    ``path`` (``decode.path``, ``decode.identical_text``)."""
 
     kind: Literal["batched", "decoding"]
     batch: int = 1
     draft_tokens: int = 0
     path: str = "auto"
+    identical_text: bool = False
 
     @classmethod
     def decoding(cls, config) -> "Work":
         """The engine's work under ``config`` (its drafter's K, its decode path)."""
-        return cls("decoding", draft_tokens=config.drafter.draft_tokens, path=config.decode.path)
+        return cls("decoding", draft_tokens=config.drafter.draft_tokens, path=config.decode.path, identical_text=config.decode.identical_text)
+
+    @property
+    def widths(self) -> list[int]:
+        """Tokens in the passes timed for decoding: a step, and verifies of 2, 4 and K + 1 tokens (adaptive drafting
+        proposes as many as pay, 0 to K)."""
+        return sorted({1, self.draft_tokens + 1} | {w for w in (2, 4) if w <= self.draft_tokens + 1})
 
 
 def load_target(config: TargetConfig, log=print, work: Work = Work("decoding")):
@@ -139,7 +146,7 @@ def target_dtype(build, device, work: Work, target: str, log=print) -> str:
     """What ``target.dtype: auto`` means for ``work``: bfloat16 on a GPU; on a CPU float32 or bfloat16, whichever
     does the work clearly faster here (:func:`work_ms`, precision.py).  ``build(dtype)`` makes the model."""
     what = (f"a pass over {work.batch} rows (1 token each, {BATCHED_CONTEXT} of context)" if work.kind == "batched"
-            else f"a decode step + a {work.draft_tokens + 1}-token verify (batch 1, {COST_CONTEXT} of context)")
+            else f"a decode step + verifies of {', '.join(map(str, work.widths[1:]))} tokens (batch 1, {COST_CONTEXT} of context)")
     models = {}  # each built once: the options are timed in several interleaved rounds
 
     def timed(name: str) -> float:
@@ -154,19 +161,19 @@ def target_dtype(build, device, work: Work, target: str, log=print) -> str:
 
 def work_ms(model, work: Work) -> float:
     """ms of ``work`` with ``model``.  batched: a pass of one token for each of ``batch`` rows after
-    BATCHED_CONTEXT tokens (a regen step).  decoding: a decode step plus a verify of K + 1 tokens at batch 1
-    after COST_CONTEXT tokens, on the path and pass width the engine takes in the model's dtype (in a lower
-    precision every pass is K + 1 wide, so its step costs what its verify does)."""
+    BATCHED_CONTEXT tokens (a regen step).  decoding: the passes of :attr:`Work.widths` at batch 1 after COST_CONTEXT
+    tokens, summed, on the path and pass width the engine takes in the model's dtype (with ``identical_text`` below
+    float32 every pass is K + 1 wide, so its step costs what its verify does)."""
     if work.kind == "batched":
         runner = TargetRunner(model, [], slots=work.batch, capacity=BATCHED_CONTEXT + 1)
         for slot in range(work.batch):
             runner.commit(slot, [0] * BATCHED_CONTEXT)
         return runner.pass_costs(list(range(work.batch)), [1], repeats=3)[0]
     K = work.draft_tokens
-    path = decode_path(work.path, model.device, model.dtype)
-    runner = TargetRunner(model, [], 1, COST_CONTEXT + K + 1, path=path, width=pass_width(K, model.dtype))
+    path = decode_path(work.path, model.device, model.dtype, work.identical_text)
+    runner = TargetRunner(model, [], 1, COST_CONTEXT + K + 1, path=path, width=pass_width(K, model.dtype, path, work.identical_text))
     runner.commit(0, [0] * COST_CONTEXT)
-    return sum(runner.pass_costs([0], sorted({1, K + 1}), repeats=5))
+    return sum(runner.pass_costs([0], work.widths, repeats=5))
 
 
 def load_tokenizer(prepared: PreparedTarget):
