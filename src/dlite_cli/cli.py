@@ -295,8 +295,9 @@ def profile(
     engine: Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help="auto, vllm or dlite (default: decode.engine of the config): with vLLM, "
                                                   "the same passes are also timed inside vLLM, with its host and draft time per step.")] = None,
 ) -> None:
-    """Time a decode round and a training step at the target's real shapes, with random weights (no download),
-    after every stage's memory plan: what it holds at its peak on this device, traced before anything loads."""
+    """Time a decode round and a training step at the target's real shapes (its own weights where they are on this
+    machine, a hub id's random: no download), after every stage's memory plan: what it holds at its peak on this
+    device, traced before anything loads."""
     from .bench.profile import print_memory_plans, run_profile
 
     config = _load(target, set_)

@@ -1,13 +1,14 @@
 """``dlite profile``: what a decode round and a training step cost at a target's real shapes.
 
-Weights are random (times do not depend on their values), so nothing is downloaded: the shapes come
-from ``configs/architectures/<config>.json`` (the public ``config.json`` facts of Qwen3-4B/8B and
-SmolLM2), a local checkpoint's ``config.json``, or the micro target.  Everything runs on the decode
-path the engine would use (``decode.path``).  Measured, median of ``repeats``:
+The target is the real one where it is on this machine (the embedded default and micro, built once, or a
+checkpoint directory): its weights choose the kernels (a 4-bit model's are read as 4 bits, linears.py).  A
+hub id is not downloaded: its shapes come from ``configs/architectures/<config>.json`` (the public
+``config.json`` facts of Qwen3-4B/8B) and its weights are random.  Everything runs on the decode path the
+engine would use (``decode.path``).  Measured, median of ``repeats``:
 
     passes     the target's pass time against tokens per pass (1 = a decode step, K + 1 = a verify),
-               per batch and context, with the bytes a step must read (weights + KV cache) and the
-               bandwidth achieved, against the device's own copy bandwidth (the floor)
+               per batch and context, with the bytes a step must read (weights as the step's kernels read
+               them + KV cache) and the bandwidth achieved, against the device's own copy bandwidth (the floor)
     drafts     the DLite draft round and the history teacher's, with the teacher's draft KV bytes
     overhead   the engine's host time per round, from a real decode at batch 1
     predicted  τ·T_step / (T_draft + T_verify + T_overhead) at the τ values asked for
@@ -27,11 +28,13 @@ from ..core.devices import hardware, median_ms, resolve_device
 from ..core.errors import DliteError
 from ..core.memory import GB, HEADROOM, MemoryPlan, device_memory, kv_bytes_per_token, size
 from ..core.progress import progress_bar
+from ..data.hub import is_hub_id
 from ..decoding.drafters import DLiteAdapter, HistoryAdapter, draft_dtype
 from ..decoding.engine import Engine, Request, SamplingParams
+from ..models.linears import linear_bytes, target_linears
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from ..models.runner import TargetRunner, decode_path
-from ..models.targets import Work, architecture, random_target, target_dtype
+from ..models.targets import Work, architecture, load_model, prepare_target, random_target, target_dtype
 from ..training.features import LayerCapture, Sequence, target_pass
 from ..training.steps import stage_plan, synthetic_sequences, valid_anchors
 from ..training.train import mixed_precision, step_seconds
@@ -80,8 +83,9 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights a decode step reads: every parameter once, less an untied input embedding (a lookup)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a decode step reads: every parameter once, the linears as the engine's kernels read them (a
+    4-bit copy's bytes where there is one), less an untied input embedding (a lookup)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) - linear_bytes(model) + target_linears(model).step_bytes
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     return total if embedding is head else total - embedding.numel() * embedding.element_size()
 
@@ -108,13 +112,10 @@ class Profiler:
         too_big = [p for p in self.memory if p.stage in TRAIN_STAGES and not p.fits(self.capacity)]
         self.training_skipped = (f"{too_big[0].describe()}, more than {HEADROOM:.0%} of the {size(self.capacity)} free here"
                                  if too_big and plan.train_steps else None)
-        self.dtype_name = config.target.dtype
-        if self.dtype_name == "auto":
-            build = lambda name: random_target(self.arch, getattr(torch, name), self.device)  # noqa: E731
-            self.dtype_name = target_dtype(build, self.device, Work.decoding(config), f"random weights of {config.name}", log)
-        self.dtype = getattr(torch, self.dtype_name)
+        self.model = self._target(config, log)
+        self.dtype = self.model.dtype
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.path = decode_path(config.decode.path, self.device, self.dtype, config.decode.identical_text)
-        self.model = random_target(self.arch, self.dtype, self.device)
         self.spec = DrafterSpec.for_target(self.arch, config.drafter, 0)
         self.draft_dtype_name = draft_dtype(config.decode.draft_dtype, Drafter(self.spec).to(self.device).eval(), self.model.get_input_embeddings(), log)
         self.draft_dtype = getattr(torch, self.draft_dtype_name)
@@ -125,6 +126,18 @@ class Profiler:
         spec = self.spec
         self.target_kv = kv_bytes_per_token(self.arch.num_hidden_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
         self.teacher_kv = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.draft_dtype)
+
+    def _target(self, config: Config, log):
+        """The real target where it is here or is built here (not a hub id), else random weights of its shapes; in
+        ``target.dtype`` (auto: decided on the work decoding does, as the engine decides it)."""
+        work = Work.decoding(config)
+        if not is_hub_id(config.target.model):
+            return load_model(prepare_target(config.target, log), config.target.dtype, self.device, log, work)
+        dtype = config.target.dtype
+        if dtype == "auto":
+            build = lambda name: random_target(self.arch, getattr(torch, name), self.device)  # noqa: E731
+            dtype = target_dtype(build, self.device, work, f"random weights of {config.name}", log)
+        return random_target(self.arch, getattr(torch, dtype), self.device)
 
     def run(self) -> dict:
         torch.manual_seed(0)

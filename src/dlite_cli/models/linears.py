@@ -66,10 +66,20 @@ class Projection:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     @property
+    def step_bytes(self) -> int:
+        """Bytes of weights a one-token pass reads: the 4-bit copy's where there is one."""
+        if self.four_bit is not None:
+            return _nbytes(self.four_bit)
+        return _nbytes([m.weight for m in self.modules] if self.modules is not None else [self.weight])
+
+    @property
     def packed_bytes(self) -> int:
-        if self.modules is not None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in [self.weight, *(self.four_bit or ())] if isinstance(t, torch.Tensor))
+        return 0 if self.modules is not None else _nbytes([self.weight, *(self.four_bit or ())])
+
+
+def _nbytes(items) -> int:
+    """Bytes held by the tensors among ``items`` (anything else, such as a group size, holds none)."""
+    return sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
 
 
 def four_bit(weight: torch.Tensor) -> tuple | None:
@@ -125,10 +135,18 @@ class TargetLinears:
         return self.head(h)[0]
 
     @property
+    def projections(self) -> list[Projection]:
+        return [self.head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    @property
     def packed_bytes(self) -> int:
         """Bytes the packed copies hold (0 where the model's own modules run)."""
-        projections = [self.head] + [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(p.packed_bytes for p in projections)
+        return sum(p.packed_bytes for p in self.projections)
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes of weights a one-token pass reads through these linears: each one's 4-bit copy where it has one."""
+        return sum(p.step_bytes for p in self.projections)
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
