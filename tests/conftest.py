@@ -120,3 +120,16 @@ def chi_square_passes(samples: list[int], expected: torch.Tensor) -> bool:
     z = 3.09  # upper 0.001 quantile of the normal; Wilson–Hilferty for the chi-square quantile
     critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     return statistic < critical
+
+
+# An agent framework's request: tools offered, the developer role, an assistant turn that only called a tool
+# (content null) and the tool's answer.
+AGENT_TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+                                                 "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+AGENT_MESSAGES = [
+    {"role": "developer", "content": "You are a coding agent. Use the tools."},
+    {"role": "user", "content": "What does textwrap.dedent do?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "textwrap.py"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "def dedent(text):\n    \"\"\"Remove any common leading whitespace.\"\"\""},
+]

@@ -13,10 +13,10 @@ from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding import engine as engine_module
 from dlite_cli.decoding.adaptive import VerifyCosts
 from dlite_cli.decoding.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter, load_proposer, split_lookup
-from dlite_cli.decoding.engine import Engine, Request, SamplingParams, probabilities
+from dlite_cli.decoding.engine import Engine, OutputText, Request, SamplingParams, probabilities
 from dlite_cli.models.linears import linear_bytes, target_linears
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
-from dlite_cli.models.runner import TargetRunner
+from dlite_cli.models.runner import Prefill, TargetRunner
 from dlite_cli.models.targets import load_target
 
 K = 4
@@ -240,6 +240,85 @@ def test_a_next_turn_reuses_the_slots_cache_and_decodes_the_same(micro, prompts,
     held = len(first.prompt_ids) + len(first.output_ids)
     assert held - 1 <= reusing.stats.reused_prompt_tokens <= held
     assert fresh.stats.reused_prompt_tokens == 0
+
+
+def test_sessions_taking_turns_find_their_conversations_in_the_slots_they_left(micro, prompts):
+    """Two conversations, one turn at a time on two slots: a request with no prefix held anywhere takes the slot
+    freed longest ago, and a next turn takes the slot holding its conversation."""
+    engine = make_engine(micro, NoDrafter(), slots=2)
+    first_a, first_b = (Request(prompt, SamplingParams(max_new_tokens=8)) for prompt in (prompts[1], prompts[2][:100]))
+    engine.run([first_a])
+    engine.run([first_b])
+    assert first_a.slot != first_b.slot
+    next_b, next_a = (Request(first.tokens + prompts[0], SamplingParams(max_new_tokens=8)) for first in (first_b, first_a))
+    engine.run([next_b])
+    engine.run([next_a])
+    assert (next_a.slot, next_b.slot) == (first_a.slot, first_b.slot)
+    for first, following in ((first_a, next_a), (first_b, next_b)):
+        assert following.stats.reused_prompt_tokens >= len(first.tokens) - 1
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_round_while_the_others_decode(micro, prompts, reference):
+    engine = make_engine(micro, NoDrafter(), slots=2, chunk=64)
+    running = Request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS))
+    engine.add(running)
+    engine.step()
+    arriving = Request(prompts[2], SamplingParams(max_new_tokens=NEW_TOKENS))  # 700 tokens: 11 chunks of 64
+    engine.add(arriving)
+    steps = 0
+    while not arriving.output_ids:
+        before = len(running.output_ids)
+        engine.step()
+        steps += 1
+        assert len(running.output_ids) == before + 1  # every step: one chunk, then the running row's round
+    assert steps == 11
+    while engine.busy:
+        engine.step()
+    assert running.output_ids == reference[0] and arriving.output_ids == reference[2]
+
+
+@pytest.mark.parametrize("where", ["prefill", "round"])
+def test_a_request_the_engine_fails_on_fails_alone_and_frees_its_slot(where, micro, prompts, reference, monkeypatch):
+    """A fault in one request's prefill fails that request only; one in a round fails that round's rows.  Either
+    way the slots come back, ``run`` raises it, and the next request decodes as if nothing happened."""
+    engine = make_engine(micro, NoDrafter(), slots=2)
+    healthy, failing = Request(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS)), Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))
+    if where == "prefill":
+        step = Prefill.step
+        monkeypatch.setattr(Prefill, "step", lambda self: step(self) if self.prompt != prompts[1] else 1 / 0)
+        engine.add(healthy)
+        engine.add(failing)
+        while engine.busy:
+            engine.step()
+        assert healthy.output_ids == reference[0]
+    else:
+        monkeypatch.setattr(engine.runner, "verify", lambda *_: 1 / 0)
+        engine.add(failing)
+        engine.step()
+        monkeypatch.undo()
+    assert failing.finish_reason == "error" and isinstance(failing.error, ZeroDivisionError)
+    assert sorted(engine.free) == [0, 1] and not engine.busy
+    if where == "prefill":
+        with pytest.raises(ZeroDivisionError):
+            engine.run([Request(prompts[1], SamplingParams(max_new_tokens=4))])
+        monkeypatch.undo()
+    (after,) = engine.run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
+    assert after.output_ids == reference[1]
+
+
+def test_output_text_grows_token_by_token_into_the_tokenizers_own_decoding(micro):
+    """Characters split across byte-level tokens never show half-made, and the text only grows."""
+    _, tokenizer = micro
+    text = "naïve café — 数学 😀 ok\n    return x  # ✓"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    output, seen = OutputText(decode), ""
+    for token in ids:
+        output.extend([token])
+        assert output.text.startswith(seen) and "\ufffd" not in output.text
+        seen = output.text
+    output.extend([], final=True)
+    assert output.text == decode(ids) == text
 
 
 def test_a_history_drafters_next_turn_reuses_the_prompts_features(micro, drafter_dirs, prompts):
@@ -510,3 +589,18 @@ def test_a_pass_is_as_wide_as_its_tokens_unless_identical_text_or_a_gpus_graphs_
     assert path == ("static" if fixed else "eager") and pass_width(K, dtype, path, identical_text) == (K + 1 if fixed else 1)
     graphs = decode_path("auto", torch.device("cuda"), dtype, identical_text)
     assert graphs == "graphs" and pass_width(K, dtype, graphs, identical_text) == (1 if dtype == torch.float32 else K + 1)
+
+
+def test_identical_text_gives_plain_decoding_and_a_drafting_method_the_same_passes_and_text(prompts):
+    """In bfloat16 with decode.identical_text, plain decoding's passes are as wide as a drafting method's (the
+    config's K + 1), so they write the same greedy text."""
+    from dlite_cli.core.config import load_config
+    from dlite_cli.decoding.engine import load_engine
+
+    config = load_config("micro", ["target.dtype=bfloat16", "target.device=cpu", "decode.identical_text=true", "decode.adaptive=off"])
+    outputs = {}
+    for method in ("none", "ngram"):
+        engine, _ = load_engine(config, None, method, slots=1, capacity=1024, log=lambda _: None)
+        assert engine.runner.width == config.drafter.draft_tokens + 1
+        outputs[method] = [r.output_ids for r in engine.run([Request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts])]
+    assert outputs["none"] == outputs["ngram"]

@@ -1,21 +1,27 @@
 """`dlite serve` as a real server on loopback, driven by the official openai client and raw HTTP."""
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import AGENT_MESSAGES, AGENT_TOOLS, DEVICE
 
-from dlite_cli.core.config import DrafterConfig, TargetConfig
+from dlite_cli.core.config import DrafterConfig, TargetConfig, load_config
+from dlite_cli.decoding.engine import load_engine
 from dlite_cli.models.model import Drafter, DrafterSpec
+from dlite_cli.models.runner import Prefill
 from dlite_cli.models.targets import load_model, prepare_target
+from dlite_cli.serve.serve import ToolCallSplit, create_app
 
 CHAT = [{"role": "user", "content": "def parse(self, text):"}]
 FIXED = ("--set", "decode.adaptive=off")
@@ -39,15 +45,17 @@ def drafter_dir(cache_dir, tmp_path_factory):
 
 
 def start_server(cache_dir, workdir, *args):
+    """``dlite serve`` on micro in its own process; its log goes to ``workdir/serve.log``."""
     port = free_port()
+    log = open(workdir / "serve.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "dlite_cli", "serve", "--target", "micro", "--port", str(port), *args],
-        cwd=workdir, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=workdir, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while True:
-        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert process.poll() is None, (workdir / "serve.log").read_text()[-2000:]
         try:
             if httpx.get(url + "/health").status_code == 200:
                 return process, url
@@ -58,11 +66,16 @@ def start_server(cache_dir, workdir, *args):
 
 
 @pytest.fixture(scope="module")
-def server(cache_dir, drafter_dir, tmp_path_factory):
+def server_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, drafter_dir, server_dir):
     # fixed drafting: adaptive drafting decides from measured times what to propose, and so a request's τ and
     # which tokens a seed samples (never the greedy text) could differ between this server and `dlite generate`
-    process, url = start_server(cache_dir, tmp_path_factory.mktemp("serve"), "--drafter", str(drafter_dir), *FIXED,
-                                "--max-batch", "2", "--max-queue", "1", "--max-context", "512", "--max-tokens", "40")
+    process, url = start_server(cache_dir, server_dir, "--drafter", str(drafter_dir), *FIXED,
+                                "--max-batch", "2", "--max-queue", "1", "--max-context", "1024", "--max-tokens", "40")
     yield url
     process.terminate()
     process.wait(timeout=30)
@@ -136,14 +149,15 @@ def test_sampling_with_a_seed_is_reproducible(client):
         ("/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "ten"}, 400, "max_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": 5}, 400, "temperature"),
-        ("/v1/chat/completions", {"messages": CHAT, "frobnicate": True}, 400, "unrecognized request argument supplied: frobnicate"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content is required"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "does not exist"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens must be between 1 and"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 100000}, 400, "max_tokens must be between 1 and"),
         ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
-        ("/v1/completions", {"prompt": "x " * 600}, 400, "maximum context is 512 tokens"),
+        ("/v1/completions", {"prompt": "x " * 1200}, 400, "maximum context is 1024 tokens"),
         ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
         ("/v1/completions", {"prompt": [1, 10**9]}, 400, "token ids"),
         ("/v1/completions", {}, 400, "missing required parameter: prompt"),
@@ -204,3 +218,112 @@ def test_regen_through_the_server_equals_regen_in_process(server, run_cli, tmp_p
 
     hf, served = responses(tmp_path / "hf"), responses(tmp_path / "served")
     assert len(hf) == 4 and hf == served
+
+
+def test_unknown_fields_are_ignored_with_a_log_line(server, server_dir):
+    body = {"messages": CHAT, "max_tokens": 2, "frobnicate": True, "logprobs": False, "messages_extra": 1}
+    assert httpx.post(server + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    deadline = time.time() + 10
+    while "frobnicate" not in (server_dir / "serve.log").read_text():
+        assert time.time() < deadline, "no log line about the ignored fields"
+        time.sleep(0.1)
+    assert "ignoring fields this server does not support: frobnicate, logprobs, messages_extra" in (server_dir / "serve.log").read_text()
+
+
+def test_an_agent_session_with_tools_is_served_and_each_turn_reuses_the_last(client, server):
+    """Five turns as an agent framework sends them (tools, tool calls with null content, tool results, the developer
+    role), streamed and not: each is answered, and each prompt after the first is found in the cache up to the
+    previous turn's prompt."""
+    messages, previous = list(AGENT_MESSAGES), 0
+    cached_before = metric(server, "dlite_prompt_tokens_cached_total")
+    for turn in range(5):
+        options = {"model": "micro", "messages": messages, "tools": AGENT_TOOLS, "max_tokens": 8, "temperature": 0, "response_format": {"type": "text"},
+                   "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "read_file"}}, "auto", "required"][turn],
+                   "parallel_tool_calls": turn % 2 == 0}
+        if turn % 2:
+            chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+            usage, reply = chunks[-1].usage, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert chunks[-2].choices[0].finish_reason in ("stop", "length", "tool_calls")
+        else:
+            response = client.chat.completions.create(**options)
+            usage, reply = response.usage, response.choices[0].message.content or ""
+            assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert usage.prompt_tokens > previous and usage.prompt_tokens_details.cached_tokens >= previous - 2  # (the reply's first tokens may merge)
+        previous = usage.prompt_tokens
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"line {turn} of the file"}]
+    assert metric(server, "dlite_prompt_tokens_cached_total") > cached_before
+
+
+def test_tool_calls_are_read_out_of_the_text_as_it_grows_whole_or_char_by_char():
+    text = ('Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "grep", "arguments": {"pattern": "def"}}\n</tool_call>')
+    whole = ToolCallSplit(parallel=True)
+    content, calls = whole.feed(text, done=True)
+    assert content == "Let me look.\n" and [c["function"]["name"] for c in calls] == ["read_file", "grep"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"path": "a.py"} and calls[0]["id"].startswith("call_")
+    grown, pieces, streamed = ToolCallSplit(parallel=True), [], []
+    for end in range(1, len(text) + 1):
+        new, calls = grown.feed(text[:end], done=end == len(text))
+        pieces.append(new)
+        streamed += calls
+        assert "<" not in "".join(pieces)  # not even the start of <tool_call> is sent as text
+    assert "".join(pieces) == content and [c["function"] for c in streamed] == [c["function"] for c in whole.calls]
+    assert len(ToolCallSplit(parallel=False).feed(text, done=True)[1]) == 1
+    assert ToolCallSplit(parallel=True).feed("a < b <tool_call>not json</tool_call>", done=True) == ("a < b <tool_call>not json</tool_call>", [])
+    assert ToolCallSplit(parallel=True).feed("x <tool_", done=False) == ("x ", [])
+
+
+@contextmanager
+def served_here(cache_dir, slots=2):
+    """dlite's server on micro in this process (the engine at hand, to break), on loopback; → (url, engine)."""
+    import uvicorn
+
+    engine, tokenizer = load_engine(load_config("micro", []), None, "none", slots=slots, capacity=512, log=lambda _: None)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "micro", False, 2, 16), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.parametrize("where", ["prefill", "round"])
+def test_a_request_the_engine_fails_on_gets_500_with_a_traceback_logged_and_the_next_is_served(where, cache_dir, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="dlite.serve")
+    body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+    with served_here(cache_dir) as (url, engine):
+        if where == "prefill":
+            step = Prefill.step
+            monkeypatch.setattr(Prefill, "step", lambda self: 1 / 0 if len(self.prompt) == 7 else step(self))
+            body["prompt"] = list(range(1, 8))
+        else:
+            verify = engine.runner.verify
+            monkeypatch.setattr(engine.runner, "verify", lambda *_: 1 / 0)
+        failed = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code == 500 and "the engine failed on this request: ZeroDivisionError" in failed.json()["error"]["message"]
+        assert any(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)
+        if where == "round":
+            monkeypatch.setattr(engine.runner, "verify", verify)
+        served = httpx.post(url + "/v1/completions", json={**body, "prompt": [5, 6, 7]}, timeout=60)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(url + "/health").json() == {"status": "ok"} and len(engine.free) == 2
+        assert 'dlite_requests_total{reason="error"} 1' in httpx.get(url + "/metrics").text
+
+
+def test_a_worker_that_stops_turns_every_request_into_503_and_health_says_so(cache_dir, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="dlite.serve")
+    with served_here(cache_dir) as (url, engine):
+        monkeypatch.setattr(engine, "step", lambda: 1 / 0)
+        body = {"prompt": "def f(x):", "max_tokens": 4}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 503 and "the engine worker stopped" in first.json()["error"]["message"]
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "ZeroDivisionError" in health.json()["error"]
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 503
+        assert any("stopped" in r.getMessage() and r.exc_info for r in caplog.records)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import chi_square_passes
+from conftest import AGENT_MESSAGES, AGENT_TOOLS, chi_square_passes
 
 from dlite_cli.bench.bench import plan_from
 from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig
@@ -296,6 +296,8 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup_and_its_engine_dies
             time.sleep(1)
         body = {"model": "micro", "prompt": prompts[1], "max_tokens": NEW_TOKENS, "temperature": 0}
         served = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        agent = httpx.post(url + "/v1/chat/completions", json={"model": "micro", "messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 4},
+                           timeout=120)
         metrics = httpx.get(url + "/metrics").text
         unbounded = httpx.post(url + "/v1/completions", json={**body, "max_tokens": None, "ignore_eos": True}, timeout=120).json()
         with ThreadPoolExecutor(3) as pool:  # one decoded, none may wait: the others are refused
@@ -313,6 +315,7 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup_and_its_engine_dies
     engine = dlite_engine(micro, drafter_dir)
     (request,) = engine.run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
     assert served["choices"][0]["text"] == engine.text_of(request)
+    assert agent.status_code == 200, agent.text  # an agent framework's request: tools, a tool call, its result
     accepted = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
     assert accepted > 0
     assert unbounded["usage"]["completion_tokens"] == 5  # --max-tokens, where the request names none

@@ -50,10 +50,10 @@ from ..data.workloads import BY_NAME, Episode, Unavailable, episode_key, load, s
 from ..decoding.decoding_plan import bench_plan, keeps_history
 from ..decoding.drafters import checkpoint_of, drafter_origin, load_proposer, split_fixed, suffix_part
 from ..decoding.engine import Engine, Request, SamplingParams, stop_tokens_and_text
+from ..models.chat import chat_prompt_ids
 from ..models.graphs import CAPTURES
 from ..models.runner import TargetRunner, decode_path, pass_width
 from ..models.targets import Work, load_target, load_target_config, prepare_target
-from ..training.regen import chat_prompt_ids
 from .report import PLOTS, write_report
 
 VLLM_PREFIX = "vllm:"  # a method run in vLLM (vllm_engine), e.g. vllm:ar, vllm:ngram, vllm:dlite

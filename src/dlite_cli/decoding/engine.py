@@ -10,8 +10,11 @@ One round, for the B active rows (each row is a Request):
              accepted length, the target state at the last accepted position becomes the new pivot
              and the target's extra token the new anchor.
 
-A row leaves on EOS, a stop string or its token budget, and a waiting request is prefilled into
-its slot before the next round (continuous batching).  τ = tokens committed per verify round.
+A row leaves on EOS, a stop string or its token budget, and a waiting request takes a free slot,
+the one holding the longest prefix of its prompt (else the one freed longest ago), and is prefilled
+a chunk per round, so a long prompt delays the running rows by one chunk a round at most
+(continuous batching).  A request the engine fails on leaves with finish reason ``error`` and its
+exception; the others go on.  τ = tokens committed per verify round.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..core.devices import now
 from ..core.errors import DliteError
 from ..models.graphs import CAPTURES
 from ..models.model import greedy_pick
-from ..models.runner import TargetRunner, decode_path, pass_width
+from ..models.runner import Prefill, TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 
 
@@ -111,11 +114,14 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)  # the anchor is the last one while decoding
     text: str = ""
-    finish_reason: str | None = None  # stop | length | cancelled
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: Exception | None = None  # what failed, where finish_reason is error
     stats: Stats | None = None
+    output_text: OutputText | None = None  # the text of output_ids so far, as they arrive
     slot: int = -1
     pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
     generator: torch.Generator | None = None
+    prefill: Prefill | None = None  # while its prompt is being prefilled
 
     @property
     def tokens(self) -> list[int]:
@@ -134,6 +140,30 @@ class Request:
     def position(self) -> int:
         """The anchor's absolute position (the tokens before it are in the target's cache)."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+
+class OutputText:
+    """A request's output text, decoded as its tokens arrive.  New tokens are decoded with those of the last whole
+    characters before them for context (a byte-level token can end inside a character, and a tokenizer may space a
+    token by its neighbour), and only once the text they add is whole: an output costs time linear in its length,
+    and its text only ever grows, so a stream of it never has to take text back."""
+
+    def __init__(self, decode):
+        self.decode, self.ids, self.text = decode, [], ""
+        self.context = 0  # ids[context:settled] are in ``text`` and decoded again as context for the next ones
+        self.settled = 0  # ids[:settled] are in ``text``
+
+    def extend(self, ids: list[int], final: bool = False) -> None:
+        """Add ``ids``; ``final``: no more will come, so a trailing partial character is kept as it decodes."""
+        self.ids += ids
+        if self.settled == len(self.ids):
+            return
+        known = self.decode(self.ids[self.context : self.settled])
+        whole = self.decode(self.ids[self.context :])
+        if whole.endswith("\ufffd") and not final:
+            return
+        self.text += whole[len(known) :]
+        self.context, self.settled = self.settled, len(self.ids)
 
 
 # ---------------------------------------------------------------- sampling
@@ -206,8 +236,9 @@ class Engine:
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
         if adaptive and drafter.draft_tokens:
             drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1), padded=runner.width))
-        self.free = list(range(runner.slots))
+        self.free = list(range(runner.slots))  # the one freed longest ago first
         self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()  # in a slot, their prompts part computed
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
 
@@ -233,30 +264,46 @@ class Engine:
         request.stats = Stats(self.drafter.draft_tokens, prompt_tokens=len(request.prompt_ids))
         seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
         request.generator = torch.Generator().manual_seed(seed)
+        request.output_text = OutputText(self.detokenize)
         self.waiting.append(request)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.prefilling or self.active)
 
     def run(self, requests: list[Request]) -> list[Request]:
-        """Decode ``requests`` to the end (they join as slots free up) and return them."""
+        """Decode ``requests`` to the end (they join as slots free up) and return them; a request the engine
+        fails on raises its exception."""
         for request in requests:
             self.add(request)
         while self.busy:
-            self.step()
+            for request in self.step():
+                if request.error is not None:
+                    raise request.error
         return requests
 
     def step(self) -> list[Request]:
-        """Admit waiting requests into free slots, then one round for every active row.
-        → the requests that received tokens (or finished)."""
-        updated = []
+        """Give waiting requests the free slots, run one prefill chunk (the oldest prefill's), then one round for every
+        active row.  → the requests that received tokens or finished (with an error, too)."""
         while self.waiting and self.free:
-            request = self.waiting.popleft()
-            self._prefill(request)
-            updated.append(request)
+            self._admit(self.waiting.popleft())
+        updated = []
+        if self.prefilling:
+            request = self.prefilling[0]
+            try:
+                self._prefill_chunk(request)
+            except Exception as e:  # noqa: BLE001 (this request fails, and only this one)
+                self._fail(request, e)
+            if request.prefill is None:
+                updated.append(request)
         if self.active:
-            updated += self._round(list(self.active))
+            rows = list(self.active)
+            try:
+                updated += self._round(rows)
+            except Exception as e:  # noqa: BLE001 (the round's rows fail; the engine goes on)
+                for row in rows:
+                    self._fail(row, e)
+                updated += rows
         return list(dict.fromkeys(updated))
 
     def cancel(self, request: Request) -> None:
@@ -264,28 +311,42 @@ class Engine:
         if request in self.waiting:
             self.waiting.remove(request)
             request.finish_reason = "cancelled"
-        elif request in self.active:
+        elif request in self.prefilling or request in self.active:
             self._finish(request, "cancelled")
 
     # ----- prefill, draft, verify, accept
 
-    def _prefill(self, request: Request) -> None:
-        start = now(self.runner.device)
-        request.slot = min(self.free)  # the lowest: a fixed-shape pass covers the slots up to the highest in use
+    def _admit(self, request: Request) -> None:
+        """Give ``request`` the free slot holding the longest prefix of its prompt (else the one freed longest ago)
+        and start its prefill."""
+        needs_features = self.drafter.needs_all_features
+        request.slot = max(self.free, key=lambda slot: self.runner.reusable(slot, request.prompt_ids, needs_features))
         self.free.remove(request.slot)
         reach = len(request.prompt_ids) + request.params.max_new_tokens + self.drafter.draft_tokens + 1
-        logits, features, reused = self.runner.prefill(request.slot, request.prompt_ids, self.drafter.needs_all_features, reach)
-        first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
-        request.pivot = features[-1]
-        self.active.append(request)
-        self.drafter.begin(request, features)
+        request.prefill = self.runner.start_prefill(request.slot, request.prompt_ids, needs_features, reach)
+        self.prefilling.append(request)
+
+    def _prefill_chunk(self, request: Request) -> None:
+        """The next chunk of ``request``'s prefill; after the last, its first token, and it joins the rounds."""
+        start = now(self.runner.device)
+        request.prefill.step()
+        done = request.prefill.done
+        if done:
+            logits, features, reused = request.prefill.result()
+            request.prefill = None
+            self.prefilling.popleft()
+            first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
+            request.pivot = features[-1]
+            self.active.append(request)
+            self.drafter.begin(request, features)
+            self.stats.prompt_tokens += len(request.prompt_ids)
+            for stats in (request.stats, self.stats):
+                stats.reused_prompt_tokens += reused
         seconds = now(self.runner.device) - start
         request.stats.prefill_seconds += seconds
         self.stats.prefill_seconds += seconds
-        self.stats.prompt_tokens += len(request.prompt_ids)
-        for stats in (request.stats, self.stats):
-            stats.reused_prompt_tokens += reused
-        self._emit(request, [first])
+        if done:
+            self._emit(request, [first])
 
     def _round(self, rows: list[Request]) -> list[Request]:
         device = self.runner.device
@@ -351,32 +412,46 @@ class Engine:
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""
         params = request.params
-        for token in tokens:
+        for count, token in enumerate(tokens, 1):
             request.output_ids.append(token)
             request.stats.generated_tokens += 1
             self.stats.generated_tokens += 1
             if token in self.eos_ids:
+                request.output_text.extend(tokens[: count - 1])
                 return self._finish(request, "stop")
             if len(request.output_ids) >= params.max_new_tokens:
+                request.output_text.extend(tokens[:count])
                 return self._finish(request, "length")
-        if params.stop:
-            text = self.detokenize(request.output_ids)
-            if any(stop in text for stop in params.stop):
-                return self._finish(request, "stop")
+        request.output_text.extend(tokens)
+        if any(stop in request.output_text.text for stop in params.stop):
+            return self._finish(request, "stop")
         if request.position + self.drafter.draft_tokens + 1 > self.runner.capacity:
             return self._finish(request, "length")
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
+        request.output_text.extend([], final=True)
         request.text = self.text_of(request)
-        self.active.remove(request)
-        self.drafter.end(request)
+        if request.prefill is not None:
+            self.prefilling.remove(request)
+            request.prefill = None
+        else:
+            self.active.remove(request)
+            self.drafter.end(request)
         self.free.append(request.slot)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """``request`` leaves with ``error``, unless it finished before the failure; its slot is emptied (its cache may
+        be half written) and freed."""
+        if request.finish_reason is not None:
+            return
+        request.error = error
+        self.runner.truncate(request.slot, 0)
+        self._finish(request, "error")
 
     def text_of(self, request: Request) -> str:
         """The output text so far: without the EOS token and cut before the first stop string."""
-        ids = request.output_ids[:-1] if request.output_ids and request.output_ids[-1] in self.eos_ids else request.output_ids
-        text = self.detokenize(ids)
+        text = request.output_text.text
         cuts = [text.find(stop) for stop in request.params.stop if stop in text]
         return text[: min(cuts)] if cuts else text
 
@@ -419,7 +494,9 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
     proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
-    width = pass_width(proposer.draft_tokens, model.dtype, path, decode.identical_text)
+    # identical text: every method's passes as wide as the widest's (the config's K, as the bench's), plain decoding's too
+    shared = max(proposer.draft_tokens, config.drafter.draft_tokens) if decode.identical_text else proposer.draft_tokens
+    width = pass_width(shared, model.dtype, path, decode.identical_text)
     runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
     adaptive = decode.adaptive and split_fixed(drafter)[1]
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer

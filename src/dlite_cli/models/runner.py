@@ -120,39 +120,34 @@ class TargetRunner:
 
     @torch.no_grad()
     def prefill(self, slot: int, prompt: list[int], all_features: bool, reach: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Start ``slot`` on ``prompt`` → logits at the last position (V,), features (P, S, H) at every
-        position if ``all_features`` else (1, S, H) at the last one, and how many prompt tokens were reused.
+        """Start ``slot`` on ``prompt`` and run its prefill to the end (:meth:`start_prefill`) → its result."""
+        prefill = self.start_prefill(slot, prompt, all_features, reach)
+        while not prefill.done:
+            prefill.step()
+        return prefill.result()
 
-        The longest prefix of ``prompt`` the slot already holds (the previous turn of a conversation,
-        a shared system prompt) is kept and only the rest is computed, in chunks (eagerly, on every
-        path); where every position's features are needed, the prefix whose features the slot kept.
-        ``reach``: the most tokens the request may come to hold (prompt, token budget, a last draft),
-        which the static path sizes its passes by."""
+    def start_prefill(self, slot: int, prompt: list[int], all_features: bool, reach: int = 0) -> Prefill:
+        """Start ``slot`` on ``prompt``: keep the longest prefix of it the slot already holds (the previous turn of a
+        conversation, a shared system prompt) and leave the rest to compute in chunks (eagerly, on every path),
+        one chunk per :meth:`Prefill.step`; where every position's features are needed, the prefix whose features
+        the slot kept.  ``reach``: the most tokens the request may come to hold (prompt, token budget, a last
+        draft), which the static path sizes its passes by."""
         self.reach[slot] = reach
-        held, kept = self.cached[slot], self.features[slot]
-        reusable = min(len(held), len(prompt) - 1)
-        if all_features:
-            reusable = min(reusable, 0 if kept is None else len(kept))
-        reused = 0
-        while reused < reusable and held[reused] == prompt[reused]:
-            reused += 1
+        reused = self.reusable(slot, prompt, all_features)
         if self.width > 1 and self.keys[0].dtype != torch.float32:
             # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill, which
             # fixed-width passes in a lower precision need for the same result (their matmuls round by shape)
             reused -= reused % self.prefill_chunk
         self.truncate(slot, reused)
-        features = [self.features[slot]] if all_features and reused else []
-        for start in range(reused, len(prompt), self.prefill_chunk):
-            chunk = prompt[start : start + self.prefill_chunk]
-            logits, chunk_features = self.forward([slot], torch.tensor([chunk], device=self.device), logits_at_last=True, features_at_last=not all_features)
-            self.commit(slot, chunk)
-            features.append(chunk_features[0])
-        if not all_features:
-            return logits[0, -1], features[-1], reused
-        features = torch.cat(features)
-        if self.keep_features:
-            self.features[slot] = features
-        return logits[0, -1], features, reused
+        return Prefill(self, slot, prompt, all_features, reused)
+
+    def reusable(self, slot: int, prompt: list[int], all_features: bool = False) -> int:
+        """How many of ``prompt``'s first tokens ``slot`` holds keys/values (and, with ``all_features``, features)
+        for, short of its last token, which a prefill must compute for its logits."""
+        held = self.cached[slot]
+        if all_features:
+            held = held[: 0 if self.features[slot] is None else len(self.features[slot])]
+        return common_prefix(held, prompt[:-1])
 
     def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
@@ -319,3 +314,51 @@ class Rotation:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
         return torch.addcmul(x * self.cos, swapped, self.sin)
+
+
+class Prefill:
+    """A prompt's prefill into one slot, a chunk of ``prefill_chunk`` tokens per :meth:`step`, so an engine can run
+    other rows' decode rounds between its chunks (``TargetRunner.start_prefill``)."""
+
+    def __init__(self, runner: TargetRunner, slot: int, prompt: list[int], all_features: bool, reused: int):
+        self.runner, self.slot, self.prompt, self.all_features, self.reused = runner, slot, prompt, all_features, reused
+        self.position = reused  # prompt[:position] is in the slot's cache
+        self.features = [runner.features[slot]] if all_features and reused else []
+        self.logits: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.position == len(self.prompt)
+
+    def step(self) -> None:
+        """Compute the next chunk of the prompt into the slot."""
+        runner = self.runner
+        chunk = self.prompt[self.position : self.position + runner.prefill_chunk]
+        logits, features = runner.forward([self.slot], torch.tensor([chunk], device=runner.device), logits_at_last=True,
+                                          features_at_last=not self.all_features)
+        runner.commit(self.slot, chunk)
+        self.position += len(chunk)
+        self.logits = logits[0, -1]
+        self.features = self.features + [features[0]] if self.all_features else [features[0]]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """→ logits at the last position (V,), features (P, S, H) at every position if ``all_features`` else (1, S, H)
+        at the last one, and how many prompt tokens were reused."""
+        if not self.all_features:
+            return self.logits, self.features[-1], self.reused
+        features = torch.cat(self.features)
+        if self.runner.keep_features:
+            self.runner.features[self.slot] = features
+        return self.logits, features, self.reused
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (list slices compare in C: a bisection over them)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
+    return low

@@ -9,8 +9,8 @@ from pathlib import Path
 from ..core.config import Config
 from ..core.errors import DliteError
 from ..decoding.engine import Request, SamplingParams, load_engine
+from ..models.chat import chat_prompt_ids
 from ..models.targets import load_tokenizer, prepare_target
-from ..training.regen import chat_prompt_ids
 from ..vllm_engine import choose_engine
 
 

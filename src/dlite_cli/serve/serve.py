@@ -3,49 +3,75 @@
     GET  /v1/models   /health   /metrics (Prometheus text)
     POST /v1/completions   /v1/chat/completions   (``stream: true`` → server-sent events)
 
-One worker thread owns the Engine.  HTTP handlers (asyncio) validate a request, hand it to the
-worker and await its text as it grows; the worker admits requests into free slots, runs rounds
-and publishes what each request gained.  A client that goes away cancels its request, which
-frees its slot at once.  Bad input is answered with an OpenAI-style error body, never a crash.
+One worker thread owns the Engine.  HTTP handlers (asyncio) validate a request, template and
+tokenize it off the event loop, hand it to the worker and await its text as it grows; the worker
+admits requests into free slots (the one holding the longest prefix of the prompt), prefills them
+a chunk per round between the running rows' rounds, and publishes what each request gained.  A
+client that goes away cancels its request, which frees its slot at once.
+
+Chat requests speak OpenAI's tools protocol (``tools``, ``tool_choice``, assistant ``tool_calls``,
+``tool`` messages): tools reach the prompt through the target's chat template or dlite's default
+(models/chat.py), and ``<tool_call>`` blocks in the output come back as ``tool_calls``, streamed as
+deltas.  A field the server does not know, or cannot honour, is ignored with a log line, as vLLM
+does; a malformed value of one it knows is refused with an OpenAI-style error body.  A request the
+engine fails on fails alone, with its traceback in the log; if the worker itself stops, every
+request gets 503 and ``/health`` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..core.errors import DliteError
 from ..decoding.engine import Engine, Request, SamplingParams
+from ..models.chat import TOOL_CALL, TOOL_CALL_OPEN, chat_prompt_ids, parse_tool_call
 
 MAX_BODY_BYTES = 1 << 20
 TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 POLL_SECONDS = 0.25  # how often a non-streaming handler checks that its client is still there
+logger = logging.getLogger("dlite.serve")
 
 
 # ---------------------------------------------------------------- request bodies
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Body(BaseModel):
+    """A request body's part: its known fields are checked strictly, unknown ones kept to be logged and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored(self, prefix: str = "") -> list[str]:
+        """The fields given here and in nested parts that this server ignores, as dotted paths."""
+        names = [prefix + name for name in self.model_extra or {}]
+        for name, value in self:
+            for i, item in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(item, Body):
+                    names += item.ignored(f"{prefix}{name}{f'.{i}' if isinstance(value, list) else ''}.")
+        return names
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class Sampling(BaseModel):
-    """Fields shared by both endpoints; anything unknown is refused, as OpenAI does."""
+class Sampling(Body):
+    """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -63,26 +89,89 @@ class CompletionBody(Sampling):
     prompt: str | list[int]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(Body):
+    name: str
+    arguments: str
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+class ToolCall(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        return self
+
+    def as_dict(self) -> dict:
+        """The message as models/chat.py reads it."""
+        content = self.content if isinstance(self.content, str) or self.content is None else "".join(part.text for part in self.content)
+        message = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class Function(Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: dict
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     chat_template_kwargs: dict | None = None  # extension (SGLang, vLLM): e.g. {"enable_thinking": false}
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    def offered_tools(self) -> list[dict]:
+        """The tools the prompt offers (none where tool_choice is none)."""
+        return [] if not self.tools or self.tool_choice == "none" else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def unhonoured(self) -> list[str]:
+        """What this request asks that the server does not do, besides unknown fields: logged, then decoded anyway."""
+        notes = []
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            notes.append("tool_choice other than none or auto is decoded as auto (no constrained decoding)")
+        if self.response_format and self.response_format.type != "text":
+            notes.append(f"response_format {self.response_format.type} is decoded as text")
+        return notes
 
 
 class ApiError(Exception):
@@ -111,39 +200,88 @@ def validation_error(e: ValidationError) -> ApiError:
 
 @dataclass(eq=False)
 class Job:
-    """One HTTP request's decoding: the engine Request and where its progress is published."""
+    """One HTTP request's decoding: the engine Request and where its progress is published, as events
+    ("text", str), ("tool_call", dict), ("done", finish reason) and ("error", message, HTTP status)."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
+    tool_calls: ToolCallSplit | None = None  # where the request offers tools
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    sent: str = ""  # text already published
+    sent: str = ""  # text already published (without tools)
 
     def publish(self, engine: Engine) -> None:
-        """Called by the worker after a step: push the new text (and the end, if reached)."""
+        """Called by the worker after a step: push the new text and tool calls (and the end, if reached)."""
         request = self.request
         done = request.finish_reason is not None
         text = request.text if done else held_back(engine.text_of(request), request.params.stop)
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self._push(("text", text[len(self.sent) :]))
-            self.sent = text
+        if self.tool_calls is not None:
+            new, calls = self.tool_calls.feed(text, done)
+        else:  # the text only grows (engine.OutputText), so what is new is its tail
+            new, calls, self.sent = text[len(self.sent) :], [], text
+        if new:
+            self._push(("text", new))
+        for call in calls:
+            self._push(("tool_call", call))
         if done:
-            self._push(("done", request.finish_reason))
+            called = self.tool_calls is not None and self.tool_calls.calls and request.finish_reason == "stop"
+            self._push(("done", "tool_calls" if called else request.finish_reason))
 
-    def fail(self, message: str) -> None:
-        self._push(("error", message))
+    def fail(self, message: str, status: int) -> None:
+        self._push(("error", message, status))
 
     def _push(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` without a tail that could still become a stop string or a multi-byte character."""
-    text = text.rstrip("\ufffd")
-    hold = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
-    return text[: len(text) - hold]
+    """``text`` without a tail that could still become a stop string."""
+    return text[: len(text) - partial_suffix(text, stops)]
+
+
+def partial_suffix(text: str, marks: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper beginning of one of ``marks``."""
+    return max((k for mark in marks for k in range(1, len(mark)) if text.endswith(mark[:k])), default=0)
+
+
+class ToolCallSplit:
+    """A growing output split into its text before the first ``<tool_call>`` and the tool calls after it (models/chat.py).
+    Text that could still become ``<tool_call>`` is held back; a call is published when its block closes.  An
+    output whose tool-call blocks parse to none ends as text, all of it."""
+
+    def __init__(self, parallel: bool):
+        self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
+        self.calls: list[dict] = []
+        self.sent = 0  # text[:sent] published as content
+        self.scanned = 0  # text[:scanned] read for tool calls
+
+    def feed(self, text: str, done: bool) -> tuple[str, list[dict]]:
+        """The whole text so far → (content to publish now, tool calls to publish now)."""
+        start = text.find(TOOL_CALL_OPEN)
+        if start < 0:
+            end = len(text) if done else len(text) - partial_suffix(text, (TOOL_CALL_OPEN,))
+            return self._content(text, end), []
+        content, calls = self._content(text, start), []
+        for match in TOOL_CALL.finditer(text, max(self.scanned, start)):
+            self.scanned = match.end()
+            call = parse_tool_call(match.group(1))
+            if call is not None and (self.parallel or not self.calls):
+                self.calls.append(call)
+                calls.append(call)
+        if done and not self.calls:
+            content += self._content(text, len(text))
+        return content, calls
+
+    def _content(self, text: str, end: int) -> str:
+        new = text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return new
 
 
 class Busy(Exception):
+    pass
+
+
+class Stopped(Exception):
     pass
 
 
@@ -157,39 +295,56 @@ class Worker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[Request, Job] = {}
         self.in_flight = 0
+        self.stopped: str | None = None  # why the worker stopped, once it has
         self.lock = threading.Lock()
-        threading.Thread(target=self._loop, name="dlite-engine", daemon=True).start()
+        threading.Thread(target=self._run, name="dlite-engine", daemon=True).start()
 
     def submit(self, job: Job) -> None:
         with self.lock:
+            if self.stopped:
+                raise Stopped(self.stopped)
             if self.in_flight >= self.capacity:
                 raise Busy
             self.in_flight += 1
-        self.inbox.put(("add", job))
+            self.inbox.put(("add", job))
 
     def cancel(self, job: Job) -> None:
         self.inbox.put(("cancel", job))
 
-    def _loop(self) -> None:
-        while True:
-            try:
+    def _run(self) -> None:
+        try:
+            while True:
                 self._take_inbox(block=not self.engine.busy)
                 if self.engine.busy:
                     self._step()
                 self.metrics.batch_size = len(self.engine.active)
-                self.metrics.queue_depth = len(self.engine.waiting)
-            except Exception as e:  # an engine bug must not hang every client: fail them and go on
-                for job in list(self.jobs.values()):
-                    self.engine.cancel(job.request)
-                    self._close(job, f"internal error: {e!r}")
+                self.metrics.queue_depth = len(self.engine.waiting) + len(self.engine.prefilling)
+        except BaseException as e:  # the worker itself broke: every request, now and later, gets 503
+            logger.exception("the engine worker stopped; the server answers 503 from now on")
+            with self.lock:  # submit adds nothing after this
+                self.stopped = f"the engine worker stopped: {e!r}"
+            while True:
+                try:
+                    kind, job = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self.jobs[job.request] = job
+            for job in list(self.jobs.values()):
+                self._close(job, self.stopped, 503)
 
     def _step(self) -> None:
         for request in self.engine.step():
             job = self.jobs.get(request)
-            if job is not None:
-                job.publish(self.engine)
-                if request.finish_reason is not None:
-                    self._close(job)
+            if job is None:
+                continue
+            if request.error is not None:
+                logger.error("request failed in the engine; the server goes on", exc_info=request.error)
+                self._close(job, f"the engine failed on this request: {request.error!r}", 500)
+                continue
+            job.publish(self.engine)
+            if request.finish_reason is not None:
+                self._close(job)
 
     def _take_inbox(self, block: bool) -> None:
         """Apply every pending add and cancel; wait for one first if ``block``."""
@@ -202,7 +357,7 @@ class Worker:
                     try:
                         self.engine.add(job.request)
                     except DliteError as e:
-                        self._close(job, str(e))
+                        self._close(job, str(e), 400)
                 elif job.request in self.jobs:
                     self.engine.cancel(job.request)
                     self._close(job)
@@ -210,12 +365,12 @@ class Worker:
         except queue.Empty:
             pass
 
-    def _close(self, job: Job, error: str | None = None) -> None:
+    def _close(self, job: Job, error: str | None = None, status: int = 500) -> None:
         del self.jobs[job.request]
         with self.lock:
             self.in_flight -= 1
         if error:
-            job.fail(error)
+            job.fail(error, status)
         self.metrics.finished(job.request)
 
 
@@ -226,6 +381,7 @@ class Metrics:
     requests: dict = field(default_factory=dict)  # finish reason → count
     errors: dict = field(default_factory=dict)  # HTTP status → count
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those a slot held already (prefix cache hits)
     generated_tokens: int = 0
     tau_counts: list = field(default_factory=lambda: [0] * len(TAU_BUCKETS))
     tau_sum: float = 0.0
@@ -240,6 +396,7 @@ class Metrics:
             return
         self.requests[reason] = self.requests.get(reason, 0) + 1
         self.prompt_tokens += request.stats.prompt_tokens
+        self.cached_tokens += request.stats.reused_prompt_tokens
         self.generated_tokens += request.stats.generated_tokens
         if request.stats.rounds:
             tau = request.stats.tau
@@ -257,6 +414,8 @@ class Metrics:
         lines += [f'dlite_request_errors_total{{status="{k}"}} {v}' for k, v in sorted(self.errors.items())]
         for name, value, help_text in (
             ("dlite_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+            ("dlite_prompt_tokens_cached_total", self.cached_tokens,
+             "Of those, tokens found in a slot's cache and not computed again (hit rate: this over dlite_prompt_tokens_total)."),
             ("dlite_generated_tokens_total", self.generated_tokens, "Tokens generated for finished requests."),
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
@@ -289,6 +448,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
     request's completion tokens when it names none (a completion's: 16, as OpenAI's)."""
     app = FastAPI(title="dlite", docs_url=None, redoc_url=None)
     worker = Worker(engine, max_queue)
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dlite-tokenizer")
     created = int(time.time())
     tokenizer_size = len(tokenizer)
 
@@ -311,6 +471,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
 
     @app.get("/health")
     async def health():
+        if worker.stopped:
+            return JSONResponse({"status": "error", "error": worker.stopped}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -321,7 +483,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "dlite"}]}
 
-    async def parse(http: HttpRequest, schema: type[BaseModel]) -> BaseModel:
+    async def parse(http: HttpRequest, schema: type[Body]) -> Body:
         declared = http.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
@@ -340,10 +502,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
             raise validation_error(e) from None
         if body.model not in (None, model_name):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
+        if ignored := body.ignored():
+            logger.warning("%s: ignoring fields this server does not support: %s", http.url.path, ", ".join(ignored))
         return body
 
+    async def off_loop(function, *args):
+        """``function(*args)`` on the one tokenizer thread, so the event loop goes on serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, function, *args)
+
     def engine_request(body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int) -> Request:
-        room = engine.runner.capacity - len(prompt_ids) - engine.drafter.draft_tokens - 2
+        room = engine.room(len(prompt_ids))
         if room < 1:
             raise ApiError(400, f"this model's maximum context is {engine.runner.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
         if requested is None:
@@ -361,16 +529,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
             raise ApiError(400, str(e)) from None
         return request
 
-    async def decode(http: HttpRequest, body: Sampling, request: Request, chunk, final):
-        """Run ``request``; return the whole response, or stream it as server-sent events."""
-        job = Job(request, asyncio.get_running_loop())
+    async def decode(http: HttpRequest, body: Sampling, job: Job, chunk, final):
+        """Run ``job``; return the whole response, or stream it as server-sent events.  ``chunk(identifier, text,
+        finish, first=False, tool_call=None)`` is a stream's event, ``final(identifier, text, tool_calls, finish)`` the whole response."""
         try:
             worker.submit(job)
         except Busy:
             raise ApiError(429, f"the server is busy: {worker.capacity} requests are already in flight; retry shortly", "rate_limit_exceeded") from None
+        except Stopped as e:
+            raise ApiError(503, str(e), "server_error") from None
         identifier = f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if not body.stream:
-            text = []
+            text, calls = [], []
             try:
                 while True:
                     try:
@@ -381,30 +551,34 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
                             return JSONResponse({}, status_code=499)
                         continue
                     if event[0] == "error":
-                        raise ApiError(500, event[1], "server_error")
+                        raise ApiError(event[2], event[1], "server_error")
                     if event[0] == "done":
-                        return final(identifier, "".join(text), event[1])
-                    text.append(event[1])
+                        return final(identifier, "".join(text), calls, event[1])
+                    (calls if event[0] == "tool_call" else text).append(event[1])
             except asyncio.CancelledError:
                 worker.cancel(job)
                 raise
 
         async def events():
-            finished = False
+            finished, calls = False, 0
             try:
                 yield sse(chunk(identifier, None, None, first=True))
                 while True:
                     event = await job.events.get()
                     if event[0] == "error":
-                        yield sse({"error": ApiError(500, event[1], "server_error").body()["error"]})
+                        yield sse({"error": ApiError(event[2], event[1], "server_error").body()["error"]})
                         break
                     if event[0] == "text":
                         yield sse(chunk(identifier, event[1], None))
                         continue
+                    if event[0] == "tool_call":
+                        yield sse(chunk(identifier, None, None, tool_call=(calls, event[1])))
+                        calls += 1
+                        continue
                     finished = True
                     yield sse(chunk(identifier, None, event[1]))
                     if body.stream_options and body.stream_options.include_usage:
-                        yield sse({**chunk(identifier, None, None), "choices": [], **usage_fields(request)})
+                        yield sse({**chunk(identifier, None, None), "choices": [], **usage_fields(job.request)})
                     break
                 yield "data: [DONE]\n\n"
             finally:
@@ -413,59 +587,74 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        body = await parse(http, CompletionBody)
+    def completion_ids(body: CompletionBody) -> list[int]:
         prompt_ids = body.prompt if isinstance(body.prompt, list) else tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
         if not prompt_ids:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         if any(not 0 <= t < tokenizer_size for t in prompt_ids):
             raise ApiError(400, f"prompt token ids must be in [0, {tokenizer_size})", param="prompt")
-        request = engine_request(body, prompt_ids, body.max_tokens, default_max=16)
+        return prompt_ids
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await parse(http, CompletionBody)
+        request = engine_request(body, await off_loop(completion_ids, body), body.max_tokens, default_max=16)
 
         def chunk(identifier, text, finish, first=False):
             return {"id": identifier, "object": "text_completion", "created": int(time.time()), "model": model_name,
                     "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
 
-        def final(identifier, text, finish):
+        def final(identifier, text, calls, finish):
             return {**chunk(identifier, text, finish), **usage_fields(request)}
 
-        return await decode(http, body, request, chunk, final)
+        return await decode(http, body, Job(request, asyncio.get_running_loop()), chunk, final)
+
+    def chat_ids(body: ChatBody) -> list[int]:
+        options = body.chat_template_kwargs or {}
+        try:
+            return chat_prompt_ids(tokenizer, [m.as_dict() for m in body.messages], bool(options.get("enable_thinking", thinking)), body.offered_tools())
+        except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
+            raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        from ..training.regen import chat_prompt_ids
-
         body = await parse(http, ChatBody)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        options = body.chat_template_kwargs or {}
-        try:
-            prompt_ids = chat_prompt_ids(tokenizer, messages, bool(options.get("enable_thinking", thinking)))
-        except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
-            raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        for note in body.unhonoured():
+            logger.warning("/v1/chat/completions: %s", note)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = engine_request(body, prompt_ids, requested, default_max=max_tokens)
+        request = engine_request(body, await off_loop(chat_ids, body), requested, default_max=max_tokens)
+        tool_calls = ToolCallSplit(body.parallel_tool_calls) if body.offered_tools() else None
 
-        def chunk(identifier, text, finish, first=False):
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        def chunk(identifier, text, finish, first=False, tool_call=None):
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif tool_call is not None:
+                index, call = tool_call
+                delta = {"tool_calls": [{"index": index, **call}]}
+            else:
+                delta = {"content": text} if text else {}
             return {"id": identifier, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
-        def final(identifier, text, finish):
+        def final(identifier, text, calls, finish):
+            message = {"role": "assistant", "content": (text or None) if calls else text}
+            if calls:
+                message["tool_calls"] = calls
             return {"id": identifier, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}],
-                    **usage_fields(request)}
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], **usage_fields(request)}
 
-        return await decode(http, body, request, chunk, final)
+        return await decode(http, body, Job(request, asyncio.get_running_loop(), tool_calls), chunk, final)
 
     return app
 
 
 def usage_fields(request: Request) -> dict:
-    """OpenAI's ``usage`` plus dlite's acceptance statistics in the extra field ``dlite``."""
+    """OpenAI's ``usage`` (prompt tokens found in a slot's cache as ``cached_tokens``) plus dlite's acceptance
+    statistics in the extra field ``dlite``."""
     stats = request.stats
     usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+             "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens}}
     return {"usage": usage, "dlite": stats.as_dict()}
 
 
@@ -493,6 +682,10 @@ def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | 
             log(f"{e}: serving with dlite's own engine instead")
     decoder, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log, response_tokens=max_tokens)
     app = create_app(decoder, tokenizer, config.name, config.target.thinking, max_queue, max_tokens)
+    handler = logging.StreamHandler()  # the server's warnings (ignored fields) and failures, with their tracebacks
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     log(f"serving {config.name} with drafter {drafter} ({len(decoder.free)} slots, context {decoder.runner.capacity}, "
         f"{decoder.runner.path} decoding on {decoder.runner.device}) "
         f"on http://{host}:{port}/v1")

@@ -38,6 +38,7 @@ from ..core.errors import DliteError
 from ..core.files import atomic_write_text
 from ..core.progress import progress_bar
 from ..data.prompts import Prompt, Skipped, plan_prompts
+from ..models.chat import chat_prompt_ids
 from ..models.linears import pack_modules
 from ..models.targets import Work, load_model, load_tokenizer, prepare_target
 
@@ -237,15 +238,6 @@ class SGLangBackend:
 
 
 # ---------------------------------------------------------------- the stage
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict], thinking: bool) -> list[int]:
-    """The token ids the target sees for ``messages``, with its chat template when it has one."""
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=thinking
-        )
-    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
 
 
 def run_regen(

@@ -1,0 +1,92 @@
+"""A conversation as the target sees it: chat messages (OpenAI's form, tools included) → prompt token ids, and
+tool calls read back out of what the target wrote.
+
+Tools travel in the Hermes format that Qwen's chat templates use: the assistant calls a tool by writing
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A chat template that renders tools itself (Qwen3's) gets the tools and the messages as they are.  One that
+does not (SmolLM2's, the micro target's) gets them rendered here, in that same format: the tools' JSON
+schemas and the instruction above at the end of the system message, an assistant's tool calls as
+``<tool_call>`` blocks after its text, and a tool's result as a user message in ``<tool_response>`` tags.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+TOOLS_INSTRUCTION = (
+    "You may call one or more functions to assist with the user query. The functions are described in JSON "
+    "schema within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a JSON "
+    "object with the function name and arguments within <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], thinking: bool, tools: list[dict] | None = None) -> list[int]:
+    """The token ids the target sees for ``messages`` (with ``tools`` offered), with its chat template when it has
+    one; a template that does not render tools gets them, and the messages that carry tool calls and results, in
+    the default form above.  OpenAI's developer role is the system's."""
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if not tokenizer.chat_template:
+        return tokenizer("\n\n".join(m.get("content") or "" for m in messages))["input_ids"]
+    if not renders_tools(tokenizer.chat_template):
+        messages, tools = with_tools_in_text(messages, tools), None
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=thinking
+    )
+
+
+def renders_tools(template: str | dict) -> bool:
+    """Whether a chat template renders the tools it is given itself."""
+    return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
+
+def with_tools_in_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """``messages`` with ``tools``, tool calls and tool results written into plain-text contents (the default form)."""
+    rendered = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [call["function"] for call in message["tool_calls"]]
+            content = "\n".join([content] * bool(content) + [tool_call_text(call["name"], call["arguments"]) for call in calls])
+        elif role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        rendered.append({"role": role, "content": content})
+    if tools:
+        instruction = TOOLS_INSTRUCTION.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{instruction}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": instruction})
+    return rendered
+
+
+def tool_call_text(name: str, arguments: str | dict) -> str:
+    """One call as the assistant writes it; ``arguments`` a JSON object or its text."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def parse_tool_call(body: str) -> dict | None:
+    """The text between ``<tool_call>`` tags → an OpenAI tool call (arguments as JSON text), or None where it is not
+    a JSON object with a string ``name``."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}}
