@@ -300,7 +300,7 @@ def test_a_request_the_engine_fails_on_gets_500_with_a_traceback_logged_and_the_
     with served_here(cache_dir) as (url, engine):
         if where == "prefill":
             step = Prefill.step
-            monkeypatch.setattr(Prefill, "step", lambda self, tokens: 1 / 0 if len(self.prompt) == 7 else step(self, tokens))
+            monkeypatch.setattr(Prefill, "step", lambda self: 1 / 0 if len(self.prompt) == 7 else step(self))
             body["prompt"] = list(range(1, 8))
         else:
             verify = engine.runner.verify

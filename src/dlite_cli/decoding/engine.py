@@ -12,8 +12,8 @@ One round, for the B active rows (each row is a Request):
 
 A row leaves on EOS, a stop string or its token budget, and a waiting request takes a free slot,
 the one holding the longest prefix of its prompt (else the one freed longest ago), and is prefilled
-a chunk per round (continuous batching).  While other rows decode, a chunk is as long as takes
-about one of their rounds, so a long prompt arriving at most doubles the time between their tokens.  A request the engine fails on leaves with finish reason ``error`` and its
+a chunk per round (continuous batching), so a long prompt arriving delays the running rows by one
+chunk a round, not by its whole prefill.  A request the engine fails on leaves with finish reason ``error`` and its
 exception; the others go on.  τ = tokens committed per verify round.
 """
 
@@ -32,7 +32,6 @@ from ..models.model import greedy_pick
 from ..models.runner import Prefill, TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 
-SHORTEST_CHUNK = 16  # prompt tokens: a chunk while rows decode is never shorter
 
 
 @dataclass
@@ -243,8 +242,6 @@ class Engine:
         self.prefilling: deque[Request] = deque()  # in a slot, their prompts part computed
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
-        self.round_ms = 0.0  # the last round's time
-        self.prefill_ms_per_token = 0.0  # the last prefill chunk's time per token (0: none measured yet)
 
     def validate(self, request: Request) -> None:
         """Refuse, in one sentence, a request that can never be decoded (changes nothing: thread-safe)."""
@@ -333,8 +330,7 @@ class Engine:
     def _prefill_chunk(self, request: Request) -> None:
         """The next chunk of ``request``'s prefill; after the last, its first token, and it joins the rounds."""
         start = now(self.runner.device)
-        tokens = request.prefill.step(self._chunk_tokens())
-        self.prefill_ms_per_token = 1000 * (now(self.runner.device) - start) / tokens
+        request.prefill.step()
         done = request.prefill.done
         if done:
             logits, features, reused = request.prefill.result()
@@ -352,17 +348,6 @@ class Engine:
         self.stats.prefill_seconds += seconds
         if done:
             self._emit(request, [first])
-
-    def _chunk_tokens(self) -> int:
-        """The next prefill chunk's length: ``prefill_chunk`` while no row decodes (or passes are fixed-width, whose
-        text depends on where chunks end); else as many tokens as take about one round, measured, and the
-        shortest chunk until a chunk has been measured."""
-        whole = self.runner.prefill_chunk
-        if not self.active or self.runner.width > 1:
-            return whole
-        if not self.prefill_ms_per_token:
-            return min(whole, SHORTEST_CHUNK)
-        return max(min(whole, SHORTEST_CHUNK), min(whole, int(self.round_ms / self.prefill_ms_per_token)))
 
     def _round(self, rows: list[Request]) -> list[Request]:
         device = self.runner.device
@@ -407,7 +392,6 @@ class Engine:
             row.pivot = pivots[b]
             self._emit(row, read[b][3 : 3 + n] + [next_token])
         t3 = now(device)
-        self.round_ms = 1000 * (t3 - t0)
         draft_kv = 0
         for row in rows:
             kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0

@@ -330,17 +330,16 @@ class Prefill:
     def done(self) -> bool:
         return self.position == len(self.prompt)
 
-    def step(self, tokens: int | None = None) -> int:
-        """Compute the next chunk of the prompt into the slot, ``tokens`` long (default ``prefill_chunk``) → its length."""
+    def step(self) -> None:
+        """Compute the next chunk of the prompt into the slot."""
         runner = self.runner
-        chunk = self.prompt[self.position : self.position + (tokens or runner.prefill_chunk)]
+        chunk = self.prompt[self.position : self.position + runner.prefill_chunk]
         logits, features = runner.forward([self.slot], torch.tensor([chunk], device=runner.device), logits_at_last=True,
                                           features_at_last=not self.all_features)
         runner.commit(self.slot, chunk)
         self.position += len(chunk)
         self.logits = logits[0, -1]
         self.features = self.features + [features[0]] if self.all_features else [features[0]]
-        return len(chunk)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """→ logits at the last position (V,), features (P, S, H) at every position if ``all_features`` else (1, S, H)
