@@ -284,7 +284,9 @@ def served_here(cache_dir, slots=2):
     server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "micro", False, 2, 16), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.time() + 60
     while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the in-process server did not start"
         time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{port}", engine

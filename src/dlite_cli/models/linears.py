@@ -174,15 +174,19 @@ def pack_modules(model) -> None:
     parameter = next(model.parameters())
     if not packs(parameter.device, parameter.dtype):
         return
-    for module in [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)] + [model.lm_head]:
+    for module in layer_linears(model) + [model.lm_head]:
         projection = Projection([module], pack=True)
         module.forward = lambda x, projection=projection: projection(x)[0]
 
 
+def layer_linears(model) -> list[torch.nn.Linear]:
+    """Every linear layer of the model's decoder layers (not its LM head)."""
+    return [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def linear_bytes(model) -> int:
     """Bytes of the weights a :class:`TargetLinears` packs (every decoder layer's projections and the LM head)."""
-    modules = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)] + [model.lm_head]
-    return sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    return sum(m.weight.numel() * m.weight.element_size() for m in layer_linears(model) + [model.lm_head])
 
 
 def four_bit_bytes(target, device_type: str) -> int:
@@ -190,7 +194,7 @@ def four_bit_bytes(target, device_type: str) -> int:
     were (a memory plan traces random weights): 4 bits a weight and a bfloat16 scale and zero per group of 32."""
     if next(target.parameters()).dtype != torch.bfloat16 or not packs(torch.device(device_type), torch.bfloat16):
         return 0
-    weights = sum(m.weight.numel() for layer in target.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    weights = sum(m.weight.numel() for m in layer_linears(target))
     return weights // 2 + weights // FOUR_BIT_GROUP * 4
 
 
