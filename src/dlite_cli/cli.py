@@ -245,6 +245,38 @@ def bench(
 
 
 @app.command()
+def sessions(
+    target: TargetOption = DEFAULT_TARGET,
+    run_dir: RunDirOption = None,
+    set_: SetOption = None,
+    methods: Annotated[Optional[str], typer.Option(metavar="LIST", help="Comma-separated, as bench names them: ar (plain decoding), dlite, ngram, suffix, "
+                                               "dlite+suffix, a drafter directory …; vllm:NAME serves NAME in vLLM (default: sessions.methods).")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(metavar="LIST", help="Sessions at once, comma-separated (default: sessions.concurrency).")] = None,
+    count: Annotated[Optional[int], typer.Option("--sessions", min=1, metavar="N", help="Sessions, taken in turn from the agentic workloads (default: sessions.sessions).")] = None,
+    turns: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Turns per session, at most (default: sessions.turns).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Tokens per reply (default: sessions.max_tokens).")] = None,
+    url: Annotated[Optional[str], typer.Option(metavar="URL", help="Measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8000) "
+                                         "instead of starting dlite's; --methods then only names its rows, and its caches carry from one run to the next.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Measure every run again instead of reusing earlier ones.")] = False,
+) -> None:
+    """Agent sessions end to end through a server, prefill included: episodes of the agentic workloads replayed turn by
+    turn, each turn resending the whole conversation, N sessions C at a time. Writes RUN/sessions/sessions.md (csv, json,
+    tex): per method and concurrency, completion tokens/s and speedup, time to first token, inter-token latency, cached
+    prompt tokens and text identity with plain decoding.
+
+    Each run gets a fresh `dlite serve` with as many slots as sessions at once (vllm:NAME: vLLM's server), so no run is
+    served from another's caches; interrupted, the command resumes with the run it was in.
+    """
+    from .bench.sessions import SessionsPlan, parse_methods, run_sessions
+
+    config = _load(target, set_)
+    defaults = config.sessions
+    plan = SessionsPlan(parse_methods(methods, defaults.methods), _numbers("--concurrency", concurrency, int) or defaults.concurrency,
+                        count or defaults.sessions, turns or defaults.turns, max_tokens or defaults.max_tokens, url.rstrip("/") if url else None)
+    run_sessions(config, target, _run_dir(config, run_dir), set_ or [], plan, force, log)
+
+
+@app.command()
 def ablate(target: TargetOption = DEFAULT_TARGET, run_dir: RunDirOption = None, set_: SetOption = None) -> None:
     """The paper's ablations around the config's drafter (its ablations section): train every variant, bench them side
     by side, and write Table 5 (design space) and Figure 5 (held-out τ during training) to RUN/ablations/.

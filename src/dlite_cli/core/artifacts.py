@@ -28,7 +28,7 @@ from . import precision
 from .errors import DliteError
 from .files import atomic_write_json, read_json
 
-STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "stable-parallel", "bench")
+STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "stable-parallel", "bench", "sessions")
 
 
 @contextmanager

@@ -246,6 +246,19 @@ class BenchConfig:
 
 
 @dataclass
+class SessionsConfig:
+    """``dlite sessions``' plan where the command line does not choose: agent sessions end to end through a server."""
+
+    # as the bench names them; vllm:NAME runs NAME in vLLM's server (vllm:ar its plain decoding, vllm:ngram, vllm:suffix
+    # its own methods, vllm:dlite+suffix the drafter through dlite's plugin)
+    methods: list[str] = _checked(["ar", "dlite", "suffix", "dlite+suffix"], check=lambda v: len(v) > 0, says="name at least one method")
+    concurrency: list[int] = _checked([1, 4], check=lambda v: len(v) > 0 and all(c >= 1 for c in v), says="be levels >= 1")
+    sessions: int = positive(8)  # taken in turn from the agentic workloads
+    turns: int = positive(5)  # per session (SWE-Bench★'s transcripts have 4)
+    max_tokens: int = positive(48)  # per reply
+
+
+@dataclass
 class AblationConfig:
     """``dlite ablate``: the paper's Table 5 and Figure 5 around the config's drafter, one thing varied at a time
     (ablations.py).  The defaults are the paper's axes for Qwen3-8B."""
@@ -271,6 +284,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)

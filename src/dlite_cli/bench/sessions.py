@@ -1,0 +1,337 @@
+"""``dlite sessions``: agent sessions against an OpenAI-compatible server, end to end, prefill included.
+
+A session replays one episode of an agentic workload (BFCL-v3, SWE-Bench★, ToolTalk, τ²★) the way an agent drives a
+server: each turn sends the whole conversation so far — the episode's messages up to that turn and every reply the
+server wrote before — as one streamed, greedy chat completion, and appends the reply.  N sessions run C at a time.
+
+Per turn it keeps the time to first token, the gaps between streamed chunks (inter-token latency: a chunk carries
+what one decode round commits, so a speculative round is one gap), the latency, and the prompt, cached and
+completion tokens the server reports.  Per run: completion tokens per second of wall time, and on how many turns
+a method wrote its engine's plain decoding's text.
+
+Each (method, concurrency) run gets a fresh ``dlite serve`` (dlite's engine, or vLLM's for ``vllm:NAME``), so
+that no run is served from the prefix cache or the suffix trees of the one before; ``--url`` measures one
+server that is already running instead.  Every run is a line of RUN/sessions/runs.jsonl under a key of what
+determines it: an interrupted command resumes with the run it was in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ..core.artifacts import Stage, fingerprint_dir
+from ..core.config import Config, config_hash
+from ..core.devices import hardware, resolve_device
+from ..core.errors import DliteError
+from ..core.progress import progress_bar
+from ..data.workloads import Episode, Unavailable, episode_key, load, select
+from ..decoding.drafters import checkpoint_of
+from ..models.chat import chat_prompt_ids
+from ..models.targets import load_target_config, load_tokenizer, prepare_target
+from .bench import VLLM_PREFIX, append_line, read_lines
+from .report import Table, speedup_interval
+
+PLAIN = "ar"  # plain decoding, as the bench names it (``dlite serve --drafter none``)
+EPISODES_READ = 64  # episodes read per workload to find those with enough turns
+START_TIMEOUT_S = 600  # a server that answers no /health by then has failed (vLLM compiles at start-up)
+
+
+@dataclass
+class Session:
+    id: str  # workload/episode id
+    workload: str
+    turns: list[list[dict]]  # messages appended before each assistant turn
+
+
+@dataclass
+class SessionsPlan:
+    methods: list[str]  # as the bench names them: ar, dlite, suffix, dlite+suffix, vllm:NAME …
+    concurrency: list[int]  # sessions at once
+    sessions: int
+    turns: int  # per session, at most
+    max_tokens: int  # per reply
+    url: str | None = None  # a running server to measure instead of starting dlite's
+
+
+def agent_sessions(count: int, turns: int, fits=lambda episode: True) -> list[Session]:
+    """``count`` sessions taken in turn from each agentic workload that has episodes here, each an episode's first
+    ``turns`` turns; a workload whose episodes are all shorter gives its longest.  Episodes ``fits`` refuses (too long
+    for the server's context) are passed over."""
+    pools = []
+    for workload in select("agentic", None):
+        loaded = load(workload, None, EPISODES_READ)
+        if isinstance(loaded, Unavailable):
+            continue
+        episodes = [e for e in loaded[0] if fits(Episode(e.id, e.turns[:turns]))]
+        need = min(turns, max((len(e.turns) for e in episodes), default=0))
+        pools.append([Session(f"{workload.name}/{e.id}", workload.name, e.turns[:need]) for e in episodes if len(e.turns) >= need > 0])
+    sessions = [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools if i < len(pool)]
+    if len(sessions) < count:
+        raise DliteError(f"only {len(sessions)} agent sessions fit here, {count} asked for")
+    return sessions[:count]
+
+
+def sessions_key(sessions: list[Session]) -> str:
+    return hashlib.sha1(json.dumps([[s.id, episode_key(Episode(s.id, s.turns))] for s in sessions]).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- the client
+
+
+def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed greedy chat completion → its text, time to first token, chunk gaps, latency (s) and usage."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, stamps, text, usage = time.perf_counter(), [], "", {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise DliteError(f"{url} answered HTTP {response.status_code}: {response.read().decode()[:300]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            piece = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+            if piece:
+                stamps.append(time.perf_counter())
+                text += piece
+    details = usage.get("prompt_tokens_details") or {}
+    return {"text": text, "ttft_s": stamps[0] - start if stamps else None, "gaps_s": [b - a for a, b in itertools.pairwise(stamps)],
+            "latency_s": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": details.get("cached_tokens"), "completion_tokens": usage.get("completion_tokens")}
+
+
+def play(client: httpx.Client, url: str, model: str, session: Session, max_tokens: int, done) -> list[dict]:
+    """A session's turns, one after the other, each reply appended to the conversation → a record per turn."""
+    messages, records = [], []
+    for index, turn in enumerate(session.turns):
+        messages += turn
+        record = stream_turn(client, url, model, messages, max_tokens)
+        messages.append({"role": "assistant", "content": record["text"]})
+        text = record.pop("text")
+        records.append({"session": session.id, "workload": session.workload, "turn": index, **record,
+                        "text_sha": hashlib.sha1(text.encode()).hexdigest()[:12], "text": text})
+        done()
+    return records
+
+
+def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: int, label: str) -> dict:
+    """Every session against ``url``, ``concurrency`` at a time → {"wall_s", "model", "turns": [per turn]}."""
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        stream_turn(client, url, model, [{"role": "user", "content": "Hello."}], 4)  # the server's first request is its own warm-up
+        total = sum(len(s.turns) for s in sessions)
+        with progress_bar(f"{label}, {concurrency} at once", total) as bar:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:
+                played = list(pool.map(lambda s: play(client, url, model, s, max_tokens, lambda: bar.update(advance=1)), sessions))
+            wall = time.perf_counter() - start
+    return {"wall_s": wall, "model": model, "turns": [t for turns in played for t in turns]}
+
+
+# ---------------------------------------------------------------- dlite's servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], slots: int, port: int) -> list[str]:
+    """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) with ``slots`` requests decoded together."""
+    engine, name = ("vllm", method.removeprefix(VLLM_PREFIX)) if method.startswith(VLLM_PREFIX) else ("dlite", method)
+    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", engine,
+            "--drafter", "none" if name == PLAIN else name, "--max-batch", str(slots), "--port", str(port)]
+    return argv + [a for o in overrides for a in ("--set", o)]
+
+
+@contextmanager
+def started(argv: list[str], log_path: Path, port: int) -> Iterator[str]:
+    """Run a server (its output to ``log_path``) until it answers /health → its URL; stopped on the way out."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                tail = [line for line in log_path.read_text().splitlines() if line.strip()][-1:] or ["no output"]
+                raise DliteError(f"the server stopped at start-up ({tail[0].strip()}); its log: {log_path}")
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise DliteError(f"the server did not answer within {START_TIMEOUT_S} s; its log: {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str], plan: SessionsPlan, force: bool = False, log=print) -> list[dict]:
+    """Every (method, concurrency) run of ``plan`` that RUN/sessions does not hold yet (``force``: all), then the table."""
+    prepared = prepare_target(config.target, log)
+    tokenizer = load_tokenizer(prepared)
+    room = load_target_config(prepared).max_position_embeddings
+
+    def fits(episode: Episode) -> bool:  # its messages and every reply (and its turn's markers) in the target's context
+        messages = [m for turn in episode.turns for m in turn]
+        return len(chat_prompt_ids(tokenizer, messages, config.target.thinking)) + plan.turns * (plan.max_tokens + 8) <= room
+
+    sessions = agent_sessions(plan.sessions, plan.turns, fits)
+    for method in plan.methods:  # an unknown or missing drafter is refused before any server starts
+        checkpoint_of("none" if method.removeprefix(VLLM_PREFIX) == PLAIN else method.removeprefix(VLLM_PREFIX), run_dir)
+    stage = Stage(run_dir, "sessions")
+    recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
+    stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)
+    runs_path = stage.dir / "runs.jsonl"
+    stored = {} if force else {r["key"]: r for r in read_lines(runs_path)}
+    where = hardware(resolve_device(config.target.device))  # where dlite's servers run
+    setting = {"target": prepared.fingerprint, "hardware": where, "sessions": sessions_key(sessions), "max_tokens": plan.max_tokens,
+               "server": plan.url or {"decode": dataclasses.asdict(config.decode), "suffix": dataclasses.asdict(config.suffix),
+                                      "vllm": dataclasses.asdict(config.vllm)}}
+    records = []
+    for method in plan.methods:
+        directory = None if plan.url else checkpoint_of("none" if method.removeprefix(VLLM_PREFIX) == PLAIN else method.removeprefix(VLLM_PREFIX), run_dir)
+        for level in plan.concurrency:
+            key = config_hash(setting, {"method": method, "concurrency": level, "drafter": fingerprint_dir(directory) if directory else None})
+            if key in stored:
+                records.append(stored[key])
+                continue
+            if plan.url:
+                measured = run_level(plan.url, sessions, level, plan.max_tokens, method)
+                server = plan.url
+            else:
+                port = free_port()
+                argv = serve_argv(method, target, run_dir, overrides, max(level, 1), port)
+                with started(argv, stage.dir / f"serve-{method.replace(':', '-')}-{level}.log", port) as url:
+                    measured = run_level(url, sessions, level, plan.max_tokens, method)
+                server = " ".join(["dlite", *argv[3:]])
+            record = {"key": key, "method": method, "concurrency": level, "server": server, "hardware": where, **measured}
+            append_line(runs_path, record)
+            records.append(record)
+            stage.update(progress={"done": len(records), "total": len(plan.methods) * len(plan.concurrency), "unit": "runs"})
+    table = sessions_table(records, where, plan)
+    table.write(stage.dir)
+    stage.finish(summary={"runs": len(records), "hardware": where})
+    log(table.markdown())
+    log(f"wrote {stage.dir}/sessions.md (csv, json, tex) and runs.jsonl")
+    return records
+
+
+# ---------------------------------------------------------------- the table
+
+
+def plain_of(method: str) -> str:
+    return VLLM_PREFIX + PLAIN if method.startswith(VLLM_PREFIX) else PLAIN
+
+
+def by_session(record: dict) -> dict[str, list[float]]:
+    """session → [seconds its turns took, completion tokens]: the bench's speedup interval resamples these."""
+    out: dict[str, list[float]] = {}
+    for turn in record["turns"]:
+        cell = out.setdefault(turn["session"], [0.0, 0])
+        cell[0] += turn["latency_s"]
+        cell[1] += turn["completion_tokens"] or 0
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def summarize(record: dict, plain: dict | None) -> dict:
+    """One run's row: throughput, its speedup over its engine's plain decoding (paired by session), latencies, reuse."""
+    turns = record["turns"]
+    tokens = sum(t["completion_tokens"] or 0 for t in turns)
+    gaps = [g for t in turns for g in t["gaps_s"]]
+    before = {(t["session"], t["turn"] + 1): t for t in turns}
+    later = [(t, before[t["session"], t["turn"]]) for t in turns if t["turn"] > 0 and t["cached_tokens"] is not None]
+    reuse = [t["cached_tokens"] / t["prompt_tokens"] for t, _ in later]  # of the prompt
+    kept = [min(1.0, t["cached_tokens"] / (b["prompt_tokens"] + b["completion_tokens"])) for t, b in later]  # of what the turn before sent and got
+    first = [t["ttft_s"] for t in turns if t["turn"] == 0 and t["ttft_s"] is not None]
+    last = max(t["turn"] for t in turns)
+    final = [t["ttft_s"] for t in turns if t["turn"] == last and t["ttft_s"] is not None]
+    row = {"tokens_per_s": tokens / record["wall_s"], "speedup": None, "interval": None, "same_text": None,
+           "ttft_first_s": statistics.median(first) if first else None, "ttft_last_s": statistics.median(final) if final else None,
+           "itl_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None, "itl_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
+           "reuse_mean": statistics.mean(reuse) if reuse else None, "kept_mean": statistics.mean(kept) if kept else None,
+           "kept_min": min(kept) if kept else None,
+           "prompt_tokens": statistics.mean(t["prompt_tokens"] for t in turns if t["prompt_tokens"]), "turns": len(turns)}
+    if plain is not None and plain is not record:
+        row["speedup"] = row["tokens_per_s"] / (sum(t["completion_tokens"] or 0 for t in plain["turns"]) / plain["wall_s"])
+        row["interval"] = speedup_interval(by_session(plain), by_session(record))
+        texts = {(t["session"], t["turn"]): t["text_sha"] for t in plain["turns"]}
+        row["same_text"] = sum(texts.get((t["session"], t["turn"])) == t["text_sha"] for t in turns) / len(turns)
+    return row
+
+
+def _fmt(value, digits: int = 1, suffix: str = "") -> str:
+    return "" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table:
+    columns = ["method", "engine", "sessions at once", "completion tok/s", "speedup", "speedup 90% interval", "TTFT first turn s",
+               "TTFT last turn s", "ITL p50 ms", "ITL p99 ms", "cached of prompt", "cached of turn before", "same text as plain", "prompt tokens"]
+    table = Table("sessions", "Agent sessions end to end", columns)
+    runs = {(r["method"], r["concurrency"]): r for r in records}
+    for record in records:
+        row = summarize(record, runs.get((plain_of(record["method"]), record["concurrency"])))
+        interval = "–".join(f"{v:.2f}" for v in row["interval"]) if row["interval"] else ""
+        kept = f"{100 * row['kept_mean']:.0f} % (min {100 * row['kept_min']:.0f} %)" if row["kept_mean"] is not None else ""
+        table.rows.append({
+            "method": record["method"].removeprefix(VLLM_PREFIX), "engine": "vLLM" if record["method"].startswith(VLLM_PREFIX) else "dlite",
+            "sessions at once": record["concurrency"], "completion tok/s": _fmt(row["tokens_per_s"]), "speedup": _fmt(row["speedup"], 2),
+            "speedup 90% interval": interval, "TTFT first turn s": _fmt(row["ttft_first_s"], 2), "TTFT last turn s": _fmt(row["ttft_last_s"], 2),
+            "ITL p50 ms": _fmt(row["itl_p50_ms"]), "ITL p99 ms": _fmt(row["itl_p99_ms"]),
+            "cached of prompt": _fmt(None if row["reuse_mean"] is None else 100 * row["reuse_mean"], 0, " %"), "cached of turn before": kept,
+            "same text as plain": _fmt(None if row["same_text"] is None else 100 * row["same_text"], 0, " %"),
+            "prompt tokens": f"{row['prompt_tokens']:.0f}"})
+    workloads = sorted({t["workload"] for r in records for t in r["turns"]})
+    table.notes += [
+        f"{plan.sessions} sessions ({', '.join(workloads)}) of up to {plan.turns} turns, {plan.max_tokens} tokens a reply, streamed and greedy; "
+        f"each turn resends the whole conversation; served on {where}" + (f" at {plan.url}" if plan.url else ", a fresh `dlite serve` per row") + ".",
+        ("completion tok/s: completion tokens over the run's wall time, prefill included. speedup: against the engine's plain decoding "
+         "at the same concurrency; its interval resamples sessions (bootstrap), each paired with plain decoding's."),
+        ("TTFT: median time to the first token of the sessions' first and last turns. ITL: gaps between streamed chunks "
+        "(a speculative round's tokens arrive as one chunk). cached: prompt tokens the server reports as served from its "
+        "cache in the turns after the first, as a share of their prompt (the rest is new: a tool's result, the user's "
+        "next message), and of the prompt and reply of the turn before (all a cache could hold; mean and least)."),
+    ]
+    return table
+
+
+def parse_methods(text: str | None, default: list[str]) -> list[str]:
+    names = default if text is None else [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise DliteError("--methods is empty: expected e.g. ar,dlite+suffix,vllm:ar")
+    return list(dict.fromkeys(names))
+
