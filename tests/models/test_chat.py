@@ -6,7 +6,7 @@ import pytest
 from conftest import AGENT_MESSAGES, AGENT_TOOLS
 
 from dlite_cli.core.config import TargetConfig
-from dlite_cli.models.chat import chat_prompt_ids, parse_tool_call, with_tools_in_text
+from dlite_cli.models.chat import chat_prompt_ids, parse_tool_call, template_with_tools
 from dlite_cli.models.targets import load_tokenizer, prepare_target
 
 # A template that renders tools itself, as Qwen3's does (in brief)
@@ -31,7 +31,14 @@ def test_a_template_without_tools_gets_them_in_dlites_default_form(tokenizer):
     assert assistant == 'assistant\n<tool_call>\n{"name": "read_file", "arguments": {"path": "textwrap.py"}}\n</tool_call><|im_end|>\n'
     assert tool.startswith("user\n<tool_response>\ndef dedent(text):")
     assert "<tools>" not in text_of(tokenizer, AGENT_MESSAGES, None)  # tool calls and results still rendered, no tools offered
-    assert with_tools_in_text([{"role": "user", "content": "hi"}], AGENT_TOOLS)[0]["role"] == "system"  # a system message of its own
+    assert text_of(tokenizer, [{"role": "user", "content": "hi"}], AGENT_TOOLS).startswith("<|im_start|>system\nYou may call")  # a system message of its own
+
+
+def test_the_default_form_leaves_a_chat_without_tools_as_the_template_renders_it(tokenizer):
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "more"}]
+    plain = tokenizer.apply_chat_template([{**m, "role": "system"} if m["role"] == "developer" else m for m in chat], tokenize=False)
+    assert tokenizer.apply_chat_template(chat, chat_template=template_with_tools(tokenizer.chat_template), tokenize=False) == plain
 
 
 def test_a_template_that_renders_tools_gets_them_and_the_messages_as_they_are(tokenizer, monkeypatch):

@@ -36,10 +36,12 @@ def chat_prompt_ids(tokenizer, messages: list[dict], thinking: bool, tools: list
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not tokenizer.chat_template:
         return tokenizer("\n\n".join(m.get("content") or "" for m in messages))["input_ids"]
-    if not renders_tools(tokenizer.chat_template):
-        messages, tools = with_tools_in_text(messages, tools), None
+    template = tokenizer.chat_template
+    if isinstance(template, str) and not renders_tools(template):
+        template = template_with_tools(template)
     return tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=thinking
+        messages, tools=tools or None, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False,
+        enable_thinking=thinking,
     )
 
 
@@ -48,24 +50,39 @@ def renders_tools(template: str | dict) -> bool:
     return "tools" in (template if isinstance(template, str) else json.dumps(template))
 
 
-def with_tools_in_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """``messages`` with ``tools``, tool calls and tool results written into plain-text contents (the default form)."""
-    rendered = []
-    for message in messages:
-        role, content = message["role"], message.get("content") or ""
-        if role == "assistant" and message.get("tool_calls"):
-            calls = [call["function"] for call in message["tool_calls"]]
-            content = "\n".join([content] * bool(content) + [tool_call_text(call["name"], call["arguments"]) for call in calls])
-        elif role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        rendered.append({"role": role, "content": content})
-    if tools:
-        instruction = TOOLS_INSTRUCTION.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
-        if rendered and rendered[0]["role"] == "system":
-            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{instruction}"}
-        else:
-            rendered.insert(0, {"role": "system", "content": instruction})
-    return rendered
+def template_with_tools(template: str) -> str:
+    """``template`` (one that does not render tools) behind a preamble that writes the tools, tool calls and tool results
+    into plain-text contents, in the default form above, before it renders the messages: dlite's engine and vLLM's
+    server (``--chat-template``) render an agent's request alike."""
+    head, tail = (json.dumps(part.replace("{{", "{").replace("}}", "}")) for part in TOOLS_INSTRUCTION.split("{tools}"))
+    call_open, call_close = json.dumps(TOOL_CALL_OPEN + '\n{"name": '), json.dumps("}\n" + TOOL_CALL_CLOSE)  # Jinja strings
+    return (
+        "{%- set ns = namespace(messages=[]) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' and m.tool_calls -%}"
+        "{%- set text = namespace(value=m.content or '') -%}"
+        "{%- for call in m.tool_calls -%}"
+        "{%- set arguments = call.function.arguments if call.function.arguments is string else call.function.arguments | tojson -%}"
+        "{%- set text.value = (text.value ~ '\\n' if text.value else '') ~ " + call_open
+        + " ~ call.function.name | tojson ~ ', \"arguments\": ' ~ arguments ~ " + call_close + " -%}"
+        "{%- endfor -%}"
+        "{%- set ns.messages = ns.messages + [{'role': 'assistant', 'content': text.value}] -%}"
+        "{%- elif m.role == 'tool' -%}"
+        "{%- set ns.messages = ns.messages + [{'role': 'user', 'content': '<tool_response>\\n' ~ (m.content or '') ~ '\\n</tool_response>'}] -%}"
+        "{%- else -%}"
+        "{%- set ns.messages = ns.messages + [{'role': 'system' if m.role == 'developer' else m.role, 'content': m.content or ''}] -%}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if tools -%}"
+        "{%- set instruction = " + head + " ~ tools | map('tojson') | join('\\n') ~ " + tail + " -%}"
+        "{%- if ns.messages and ns.messages[0].role == 'system' -%}"
+        "{%- set ns.messages = [{'role': 'system', 'content': ns.messages[0].content ~ '\\n\\n' ~ instruction}] + ns.messages[1:] -%}"
+        "{%- else -%}"
+        "{%- set ns.messages = [{'role': 'system', 'content': instruction}] + ns.messages -%}"
+        "{%- endif -%}"
+        "{%- endif -%}"
+        "{%- set messages = ns.messages -%}"
+    ) + template
 
 
 def tool_call_text(name: str, arguments: str | dict) -> str:

