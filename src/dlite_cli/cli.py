@@ -264,7 +264,7 @@ def sessions(
     tex): per method and concurrency, completion tokens/s and speedup, time to first token, inter-token latency, cached
     prompt tokens and text identity with plain decoding.
 
-    Each run gets a fresh `dlite serve` with as many slots as sessions at once (vllm:NAME: vLLM's server), so no run is
+    Each run gets a fresh `dlite serve` as a user starts it (decode.max_batch slots; vllm:NAME: vLLM's server), so no run is
     served from another's caches; interrupted, the command resumes with the run it was in.
     """
     from .bench.sessions import SessionsPlan, parse_methods, run_sessions

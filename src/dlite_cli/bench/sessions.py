@@ -9,8 +9,9 @@ what one decode round commits, so a speculative round is one gap), the latency, 
 completion tokens the server reports.  Per run: completion tokens per second of wall time, and on how many turns
 a method wrote its engine's plain decoding's text.
 
-Each (method, concurrency) run gets a fresh ``dlite serve`` (dlite's engine, or vLLM's for ``vllm:NAME``), so
-that no run is served from the prefix cache or the suffix trees of the one before; ``--url`` measures one
+Each (method, concurrency) run gets a fresh ``dlite serve`` as a user starts it (dlite's engine, or vLLM's for
+``vllm:NAME``; ``decode.max_batch`` slots), so that no run is served from the prefix cache or the suffix trees of
+the one before; ``--url`` measures one
 server that is already running instead.  Every run is a line of RUN/sessions/runs.jsonl under a key of what
 determines it: an interrupted command resumes with the run it was in.
 """
@@ -154,11 +155,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], slots: int, port: int) -> list[str]:
-    """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) with ``slots`` requests decoded together."""
-    engine, name = ("vllm", method.removeprefix(VLLM_PREFIX)) if method.startswith(VLLM_PREFIX) else ("dlite", method)
+def drafter_of(method: str) -> str:
+    """A method as the bench names it → ``dlite serve --drafter``'s name for it (in either engine)."""
+    name = method.removeprefix(VLLM_PREFIX)
+    return "none" if name == PLAIN else name
+
+
+def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], port: int) -> list[str]:
+    """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) as a user starts it: its slots, queue and
+    context the config's."""
+    engine = "vllm" if method.startswith(VLLM_PREFIX) else "dlite"
     argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", engine,
-            "--drafter", "none" if name == PLAIN else name, "--max-batch", str(slots), "--port", str(port)]
+            "--drafter", drafter_of(method), "--port", str(port)]
     return argv + [a for o in overrides for a in ("--set", o)]
 
 
@@ -206,8 +214,8 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
         return len(chat_prompt_ids(tokenizer, messages, config.target.thinking)) + plan.turns * (plan.max_tokens + 8) <= room
 
     sessions = agent_sessions(plan.sessions, plan.turns, fits)
-    for method in plan.methods:  # an unknown or missing drafter is refused before any server starts
-        checkpoint_of("none" if method.removeprefix(VLLM_PREFIX) == PLAIN else method.removeprefix(VLLM_PREFIX), run_dir)
+    # an unknown or missing drafter is refused before any server starts
+    drafters = {m: None if plan.url else checkpoint_of(drafter_of(m), run_dir) for m in plan.methods}
     stage = Stage(run_dir, "sessions")
     recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
     stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)
@@ -218,25 +226,14 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
                "server": plan.url or {"decode": dataclasses.asdict(config.decode), "suffix": dataclasses.asdict(config.suffix),
                                       "vllm": dataclasses.asdict(config.vllm)}}
     records = []
-    for method in plan.methods:
-        directory = None if plan.url else checkpoint_of("none" if method.removeprefix(VLLM_PREFIX) == PLAIN else method.removeprefix(VLLM_PREFIX), run_dir)
+    for method, directory in drafters.items():
         for level in plan.concurrency:
             key = config_hash(setting, {"method": method, "concurrency": level, "drafter": fingerprint_dir(directory) if directory else None})
-            if key in stored:
-                records.append(stored[key])
-                continue
-            if plan.url:
-                measured = run_level(plan.url, sessions, level, plan.max_tokens, method)
-                server = plan.url
-            else:
-                port = free_port()
-                argv = serve_argv(method, target, run_dir, overrides, max(level, 1), port)
-                with started(argv, stage.dir / f"serve-{method.replace(':', '-')}-{level}.log", port) as url:
-                    measured = run_level(url, sessions, level, plan.max_tokens, method)
-                server = " ".join(["dlite", *argv[3:]])
-            record = {"key": key, "method": method, "concurrency": level, "server": server, "hardware": where, **measured}
-            append_line(runs_path, record)
-            records.append(record)
+            if key not in stored:
+                server, measured = measure(method, level, sessions, plan, target, run_dir, overrides, stage.dir)
+                stored[key] = {"key": key, "method": method, "concurrency": level, "server": server, "hardware": where, **measured}
+                append_line(runs_path, stored[key])
+            records.append(stored[key])
             stage.update(progress={"done": len(records), "total": len(plan.methods) * len(plan.concurrency), "unit": "runs"})
     table = sessions_table(records, where, plan)
     table.write(stage.dir)
@@ -244,6 +241,18 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
     log(table.markdown())
     log(f"wrote {stage.dir}/sessions.md (csv, json, tex) and runs.jsonl")
     return records
+
+
+def measure(method: str, level: int, sessions: list[Session], plan: SessionsPlan, target: str, run_dir: Path, overrides: list[str],
+            logs: Path) -> tuple[str, dict]:
+    """One run: the sessions, ``level`` at a time, against ``plan.url`` or a fresh ``dlite serve`` for ``method`` (its log
+    in ``logs``) → the server (URL or command line) and the measurements."""
+    if plan.url:
+        return plan.url, run_level(plan.url, sessions, level, plan.max_tokens, method)
+    port = free_port()
+    argv = serve_argv(method, target, run_dir, overrides, port)
+    with started(argv, logs / f"serve-{method.replace(':', '-')}-{level}.log", port) as url:
+        return " ".join(["dlite", *argv[3:]]), run_level(url, sessions, level, plan.max_tokens, method)
 
 
 # ---------------------------------------------------------------- the table
