@@ -258,6 +258,24 @@ def test_sessions_taking_turns_find_their_conversations_in_the_slots_they_left(m
         assert following.stats.reused_prompt_tokens >= len(first.tokens) - 1
 
 
+def test_a_shared_header_leaves_a_conversation_in_its_slot_and_a_shared_system_prompt_is_reused(micro, prompts):
+    """A match that would throw away more of a slot than it spares counts as none: a new session that shares only a
+    template's first tokens with a conversation takes another slot; one that shares most of a slot takes it."""
+    engine = make_engine(micro, NoDrafter(), slots=3)
+    header, system = prompts[0][:4], prompts[2][:400]
+    a, b = Request(header + prompts[1], SamplingParams(max_new_tokens=8)), Request(header + prompts[2][400:500], SamplingParams(max_new_tokens=8))
+    engine.run([a])
+    engine.run([b])
+    assert b.slot != a.slot
+    c, d = Request(system + prompts[1][:50], SamplingParams(max_new_tokens=8)), Request(system + prompts[0][:50], SamplingParams(max_new_tokens=8))
+    engine.run([c])
+    engine.run([d])
+    assert d.slot == c.slot and d.stats.reused_prompt_tokens >= 400
+    following = Request(a.tokens + prompts[0], SamplingParams(max_new_tokens=8))
+    engine.run([following])
+    assert following.slot == a.slot and following.stats.reused_prompt_tokens >= len(a.tokens) - 1
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_rounds(micro, prompts, reference):
     """While a row decodes, each step runs one chunk of an arriving prompt and then the row's round, so the row gains
     a token every step."""

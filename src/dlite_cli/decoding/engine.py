@@ -320,12 +320,17 @@ class Engine:
     def _admit(self, request: Request) -> None:
         """Give ``request`` the free slot holding the longest prefix of its prompt (else the one freed longest ago)
         and start its prefill."""
-        needs_features = self.drafter.needs_all_features
-        request.slot = max(self.free, key=lambda slot: self.runner.reusable(slot, request.prompt_ids, needs_features))
+        request.slot = max(self.free, key=lambda slot: self._sparing(slot, request.prompt_ids))
         self.free.remove(request.slot)
         reach = len(request.prompt_ids) + request.params.max_new_tokens + self.drafter.draft_tokens + 1
-        request.prefill = self.runner.start_prefill(request.slot, request.prompt_ids, needs_features, reach)
+        request.prefill = self.runner.start_prefill(request.slot, request.prompt_ids, self.drafter.needs_all_features, reach)
         self.prefilling.append(request)
+
+    def _sparing(self, slot: int, prompt: list[int]) -> int:
+        """The prompt tokens ``slot`` would spare a prefill, or 0 where taking it would throw away more of what it
+        holds than that: a chat template's header or a short shared preamble does not evict a conversation."""
+        reused = self.runner.reusable(slot, prompt, self.drafter.needs_all_features)
+        return reused if 2 * reused >= self.runner.length(slot) else 0
 
     def _prefill_chunk(self, request: Request) -> None:
         """The next chunk of ``request``'s prefill; after the last, its first token, and it joins the rounds."""
