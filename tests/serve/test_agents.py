@@ -65,7 +65,8 @@ def tool_caller(cache_dir, tmp_path_factory):
     prepared = prepare_target(TargetConfig(model="micro", micro=MicroConfig(num_heads=2, num_kv_heads=1)), log=lambda _: None)
     tokenizer, model = load_tokenizer(prepared), load_model(prepared, "float32", torch.device("cpu"))
     reply = tokenizer(tool_call_text("read_file", {"path": "textwrap.py"}), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    words, rng = "explain read the file part next go on what is in it module text wrap fill indent".split(), random.Random(0)
+    words = ["explain", "read", "the", "file", "part", "next", "go", "on", "what", "is", "in", "it", "module", "text", "wrap", "fill", "indent"]
+    rng = random.Random(0)
     chats = [chat_prompt_ids(tokenizer, [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 12)))}], False) for _ in range(16)]
     conversations = [chat_prompt_ids(tokenizer, conversation(turns, "Explain textwrap.py."), False, agent_tools()) for turns in (0, 2, 4)]
     batches = [batch(chats, reply, tokenizer.pad_token_id), batch(conversations, reply, tokenizer.pad_token_id)]
