@@ -27,7 +27,9 @@ def test_sessions_replay_agent_episodes_through_a_fresh_server_per_run_and_resum
     assert done.stderr.count("| ngram | dlite |") == 2  # the table, printed
 
 
-def test_an_unknown_method_is_refused_before_any_server_starts(run_cli, tmp_path):
+def test_an_unknown_method_or_a_url_with_no_server_is_refused_in_one_sentence(run_cli, tmp_path):
     done = run_cli(*SESSIONS, "--methods", "ar,nosuch", check=False)
     assert done.returncode == 2 and "nosuch" in done.stderr + done.stdout
-    assert not (tmp_path / "runs" / "micro" / "sessions" / "runs.jsonl").exists()
+    assert not (tmp_path / "runs" / "micro" / "sessions" / "runs.jsonl").exists()  # refused before any server starts
+    done = run_cli(*SESSIONS, "--url", "http://127.0.0.1:9", check=False)
+    assert done.returncode == 2 and "does not answer as an OpenAI-compatible server" in done.stderr and "Traceback" not in done.stderr

@@ -135,7 +135,10 @@ def play(client: httpx.Client, url: str, model: str, session: Session, max_token
 def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: int, label: str) -> dict:
     """Every session against ``url``, ``concurrency`` at a time → {"wall_s", "model", "turns": [per turn]}."""
     with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
-        model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        try:
+            model = client.get(url + "/v1/models").json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, LookupError) as e:
+            raise DliteError(f"{url} does not answer as an OpenAI-compatible server ({type(e).__name__}: {e})") from None
         stream_turn(client, url, model, [{"role": "user", "content": "Hello."}], 4)  # the server's first request is its own warm-up
         total = sum(len(s.turns) for s in sessions)
         with progress_bar(f"{label}, {concurrency} at once", total) as bar:
