@@ -267,11 +267,12 @@ def sessions(
     Each run gets a fresh `dlite serve` as a user starts it (decode.max_batch slots; vllm:NAME: vLLM's server), so no run is
     served from another's caches; interrupted, the command resumes with the run it was in.
     """
-    from .bench.sessions import SessionsPlan, parse_methods, run_sessions
+    from .bench.bench import method_names
+    from .bench.sessions import SessionsPlan, run_sessions
 
     config = _load(target, set_)
     defaults = config.sessions
-    plan = SessionsPlan(parse_methods(methods, defaults.methods), _numbers("--concurrency", concurrency, int) or defaults.concurrency,
+    plan = SessionsPlan(method_names(methods, defaults.methods), _numbers("--concurrency", concurrency, int) or defaults.concurrency,
                         count or defaults.sessions, turns or defaults.turns, max_tokens or defaults.max_tokens, url.rstrip("/") if url else None)
     run_sessions(config, target, _run_dir(config, run_dir), set_ or [], plan, force, log)
 

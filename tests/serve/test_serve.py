@@ -3,7 +3,6 @@
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 import torch
 from conftest import AGENT_MESSAGES, AGENT_TOOLS, DEVICE
 
+from dlite_cli.bench.sessions import free_port
 from dlite_cli.core.config import DrafterConfig, TargetConfig, load_config
 from dlite_cli.decoding.engine import load_engine
 from dlite_cli.models.model import Drafter, DrafterSpec
@@ -25,12 +25,6 @@ from dlite_cli.serve.serve import ToolCallSplit, create_app
 
 CHAT = [{"role": "user", "content": "def parse(self, text):"}]
 FIXED = ("--set", "decode.adaptive=off")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

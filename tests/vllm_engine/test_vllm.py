@@ -7,7 +7,6 @@ target's likeliest next token after it alone, so vLLM accepts many of its drafts
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from conftest import AGENT_MESSAGES, AGENT_TOOLS, chi_square_passes
 
 from dlite_cli.bench.bench import plan_from
+from dlite_cli.bench.sessions import free_port
 from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig
 from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding.drafters import load_proposer
@@ -271,12 +271,6 @@ def status(pid: int) -> str:
 def alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie does not)."""
     return status(pid) != "" and "\nState:\tZ" not in status(pid)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup_and_its_engine_dies_with_it(cache_dir, drafter_dir, micro, prompts, tmp_path):

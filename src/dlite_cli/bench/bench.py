@@ -443,10 +443,7 @@ def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: 
     methods run (:func:`engine_methods`)."""
     from ..vllm_engine import choose_engine
 
-    names = defaults.methods if methods is None else [m.strip() for m in methods.split(",") if m.strip()]
-    if not names:
-        raise DliteError("--methods is empty: expected e.g. ar,dlite,history,parallel,ngram")
-    names, moved = engine_methods(names, defaults.compare, choose_engine(engine, log), log)
+    names, moved = engine_methods(method_names(methods, defaults.methods), defaults.compare, choose_engine(engine, log), log)
     levels = defaults.concurrency
     if concurrency is not None:
         try:
@@ -463,6 +460,14 @@ def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: 
         sources[name] = where
     return BenchPlan(workload or suite, [w.name for w in select(suite, workload)], names, limit or defaults.limit,
                      max_new_tokens or defaults.max_new_tokens, temperature, levels, sources, moved)
+
+
+def method_names(text: str | None, default: list[str]) -> list[str]:
+    """``--methods``' comma-separated list (None: ``default``), each once, in order; empty is a one-sentence error."""
+    names = default if text is None else [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise DliteError("--methods is empty: expected e.g. ar,dlite,ngram,suffix,dlite+suffix,vllm:ar")
+    return list(dict.fromkeys(names))
 
 
 def engine_methods(names: list[str], compare: list[str], engine: str, log=print) -> tuple[list[str], list[str]]:

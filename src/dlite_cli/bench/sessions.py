@@ -46,7 +46,7 @@ from ..decoding.drafters import checkpoint_of
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_target_config, load_tokenizer, prepare_target
 from .bench import VLLM_PREFIX, append_line, read_lines
-from .report import Table, speedup_interval
+from .report import Table, engine_of, plain_of, speedup_interval
 
 PLAIN = "ar"  # plain decoding, as the bench names it (``dlite serve --drafter none``)
 EPISODES_READ = 64  # episodes read per workload to find those with enough turns
@@ -167,8 +167,7 @@ def drafter_of(method: str) -> str:
 def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], port: int) -> list[str]:
     """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) as a user starts it: its slots, queue and
     context the config's."""
-    engine = "vllm" if method.startswith(VLLM_PREFIX) else "dlite"
-    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", engine,
+    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", engine_of(method).lower(),
             "--drafter", drafter_of(method), "--port", str(port)]
     return argv + [a for o in overrides for a in ("--set", o)]
 
@@ -261,10 +260,6 @@ def measure(method: str, level: int, sessions: list[Session], plan: SessionsPlan
 # ---------------------------------------------------------------- the table
 
 
-def plain_of(method: str) -> str:
-    return VLLM_PREFIX + PLAIN if method.startswith(VLLM_PREFIX) else PLAIN
-
-
 def by_session(record: dict) -> dict[str, list[float]]:
     """session → [seconds its turns took, completion tokens]: the bench's speedup interval resamples these."""
     out: dict[str, list[float]] = {}
@@ -275,6 +270,11 @@ def by_session(record: dict) -> dict[str, list[float]]:
     return out
 
 
+def tokens_per_s(record: dict) -> float:
+    """A run's completion tokens over its wall time."""
+    return sum(t["completion_tokens"] or 0 for t in record["turns"]) / record["wall_s"]
+
+
 def percentile(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
@@ -283,7 +283,6 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(record: dict, plain: dict | None) -> dict:
     """One run's row: throughput, its speedup over its engine's plain decoding (paired by session), latencies, reuse."""
     turns = record["turns"]
-    tokens = sum(t["completion_tokens"] or 0 for t in turns)
     gaps = [g for t in turns for g in t["gaps_s"]]
     before = {(t["session"], t["turn"] + 1): t for t in turns}
     later = [(t, before[t["session"], t["turn"]]) for t in turns if t["turn"] > 0 and t["cached_tokens"] is not None]
@@ -292,14 +291,14 @@ def summarize(record: dict, plain: dict | None) -> dict:
     first = [t["ttft_s"] for t in turns if t["turn"] == 0 and t["ttft_s"] is not None]
     last = max(t["turn"] for t in turns)
     final = [t["ttft_s"] for t in turns if t["turn"] == last and t["ttft_s"] is not None]
-    row = {"tokens_per_s": tokens / record["wall_s"], "speedup": None, "interval": None, "same_text": None,
+    row = {"tokens_per_s": tokens_per_s(record), "speedup": None, "interval": None, "same_text": None,
            "ttft_first_s": statistics.median(first) if first else None, "ttft_last_s": statistics.median(final) if final else None,
            "itl_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None, "itl_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
            "reuse_mean": statistics.mean(reuse) if reuse else None, "kept_mean": statistics.mean(kept) if kept else None,
            "kept_min": min(kept) if kept else None,
            "prompt_tokens": statistics.mean(t["prompt_tokens"] for t in turns if t["prompt_tokens"]), "turns": len(turns)}
     if plain is not None and plain is not record:
-        row["speedup"] = row["tokens_per_s"] / (sum(t["completion_tokens"] or 0 for t in plain["turns"]) / plain["wall_s"])
+        row["speedup"] = row["tokens_per_s"] / tokens_per_s(plain)
         row["interval"] = speedup_interval(by_session(plain), by_session(record))
         texts = {(t["session"], t["turn"]): t["text_sha"] for t in plain["turns"]}
         row["same_text"] = sum(texts.get((t["session"], t["turn"])) == t["text_sha"] for t in turns) / len(turns)
@@ -320,7 +319,7 @@ def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table
         interval = "–".join(f"{v:.2f}" for v in row["interval"]) if row["interval"] else ""
         kept = f"{100 * row['kept_mean']:.0f} % (min {100 * row['kept_min']:.0f} %)" if row["kept_mean"] is not None else ""
         table.rows.append({
-            "method": record["method"].removeprefix(VLLM_PREFIX), "engine": "vLLM" if record["method"].startswith(VLLM_PREFIX) else "dlite",
+            "method": record["method"].removeprefix(VLLM_PREFIX), "engine": engine_of(record["method"]),
             "sessions at once": record["concurrency"], "completion tok/s": _fmt(row["tokens_per_s"]), "speedup": _fmt(row["speedup"], 2),
             "speedup 90% interval": interval, "TTFT first turn s": _fmt(row["ttft_first_s"], 2), "TTFT last turn s": _fmt(row["ttft_last_s"], 2),
             "ITL p50 ms": _fmt(row["itl_p50_ms"]), "ITL p99 ms": _fmt(row["itl_p99_ms"]),
@@ -339,11 +338,4 @@ def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table
         "next message), and of the prompt and reply of the turn before (all a cache could hold; mean and least)."),
     ]
     return table
-
-
-def parse_methods(text: str | None, default: list[str]) -> list[str]:
-    names = default if text is None else [m.strip() for m in text.split(",") if m.strip()]
-    if not names:
-        raise DliteError("--methods is empty: expected e.g. ar,dlite+suffix,vllm:ar")
-    return list(dict.fromkeys(names))
 
