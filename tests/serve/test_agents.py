@@ -15,11 +15,12 @@ import torch
 
 from dlite_cli.bench.sessions import free_port, serve_argv, started
 from dlite_cli.core.config import MicroConfig, TargetConfig
-from dlite_cli.models.chat import chat_prompt_ids, tool_call_text
+from dlite_cli.models.chat import chat_prompt_ids
 from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
 
 agents = pytest.importorskip("agents", reason="the dev extra is not installed (make test installs it)")
 
+CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "textwrap.py"}}\n</tool_call>'  # the target's every answer
 INSTRUCTIONS = "You are a coding agent. Read the file with the tool, a part at a time."
 RESULT = textwrap.dedent.__doc__.splitlines()[0]  # what the tool returns
 TURNS = 5
@@ -64,7 +65,7 @@ def tool_caller(cache_dir, tmp_path_factory):
     fifth (about 15 s)."""
     prepared = prepare_target(TargetConfig(model="micro", micro=MicroConfig(num_heads=2, num_kv_heads=1)), log=lambda _: None)
     tokenizer, model = load_tokenizer(prepared), load_model(prepared, "float32", torch.device("cpu"))
-    reply = tokenizer(tool_call_text("read_file", {"path": "textwrap.py"}), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    reply = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     words = ["explain", "read", "the", "file", "part", "next", "go", "on", "what", "is", "in", "it", "module", "text", "wrap", "fill", "indent"]
     rng = random.Random(0)
     chats = [chat_prompt_ids(tokenizer, [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 12)))}], False) for _ in range(16)]

@@ -33,7 +33,6 @@ from ..models.runner import Prefill, TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 
 
-
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128

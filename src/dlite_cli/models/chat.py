@@ -21,11 +21,12 @@ import uuid
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+# the default form's instruction, written into the system message where {tools} stands
 TOOLS_INSTRUCTION = (
     "You may call one or more functions to assist with the user query. The functions are described in JSON "
     "schema within <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a JSON "
     "object with the function name and arguments within <tool_call></tool_call> tags:\n"
-    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
 
 
@@ -54,7 +55,7 @@ def template_with_tools(template: str) -> str:
     """``template`` (one that does not render tools) behind a preamble that writes the tools, tool calls and tool results
     into plain-text contents, in the default form above, before it renders the messages: dlite's engine and vLLM's
     server (``--chat-template``) render an agent's request alike."""
-    head, tail = (json.dumps(part.replace("{{", "{").replace("}}", "}")) for part in TOOLS_INSTRUCTION.split("{tools}"))
+    head, tail = (json.dumps(part) for part in TOOLS_INSTRUCTION.split("{tools}"))
     call_open, call_close = json.dumps(TOOL_CALL_OPEN + '\n{"name": '), json.dumps("}\n" + TOOL_CALL_CLOSE)  # Jinja strings
     return (
         "{%- set ns = namespace(messages=[]) -%}"
@@ -83,16 +84,6 @@ def template_with_tools(template: str) -> str:
         "{%- endif -%}"
         "{%- set messages = ns.messages -%}"
     ) + template
-
-
-def tool_call_text(name: str, arguments: str | dict) -> str:
-    """One call as the assistant writes it; ``arguments`` a JSON object or its text."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
-    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
 def parse_tool_call(body: str) -> dict | None:
