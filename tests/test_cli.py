@@ -3,9 +3,7 @@ import re
 import pytest
 import typer.main
 
-from dlite_cli import vllm_engine
 from dlite_cli.cli import app
-from dlite_cli.core.errors import DliteError
 
 
 def test_help_lists_every_command_with_a_purpose(run_cli):
@@ -62,16 +60,3 @@ def test_without_the_hub_a_target_a_regen_source_a_workload_or_a_drafter_is_one_
     assert line.startswith("error: ") and f"could not load {what} from the Hugging Face hub (HF_HUB_OFFLINE is set); " in line
     assert "--set target.model=DIR" in line if "target" in what else "a local copy" in line
 
-
-def test_the_engine_is_vllm_where_it_is_installed_and_dlites_own_with_one_line_where_not(monkeypatch):
-    lines = []
-    assert vllm_engine.choose_engine("dlite", lines.append) == "dlite" and vllm_engine.choose_engine("vllm", lines.append) == "vllm"
-    assert lines == []
-    monkeypatch.setattr(vllm_engine, "installed_version", lambda: "0.32.0")
-    assert vllm_engine.choose_engine("auto", lines.append) == "vllm" and lines == []
-    for version, found in ((None, "vLLM is not installed"), ("0.31.2", "vLLM 0.31.2 is installed and the plugin supports 0.32.x")):
-        monkeypatch.setattr(vllm_engine, "installed_version", lambda version=version: version)
-        assert vllm_engine.choose_engine("auto", lines.append) == "dlite"
-        assert lines.pop() == f"{found}: decoding in dlite's own engine ({vllm_engine.INSTALL} to decode in vLLM)"
-    with pytest.raises(DliteError, match="--engine must be one of auto, vllm, dlite, got 'sglang'"):
-        vllm_engine.choose_engine("sglang")

@@ -180,7 +180,7 @@ def generate(
     config = _load(target, set_)
     text = sys.stdin.read() if prompt == "-" else prompt
     params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop or ()), seed)
-    run_generate(config, _run_dir(config, run_dir), text, drafter, params, raw, as_json, engine or config.decode.engine, log)
+    run_generate(config, _run_dir(config, run_dir), text, drafter, params, raw, as_json, engine, log)
 
 
 @app.command()
@@ -206,7 +206,7 @@ def serve(
     from .serve.serve import serve as run_server
 
     config = _load(target, set_)
-    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, engine or config.decode.engine, log)
+    run_server(config, _run_dir(config, run_dir), drafter, host, port, max_batch, max_queue, max_context, max_tokens, engine, log)
 
 
 @app.command()
@@ -239,8 +239,8 @@ def bench(
     from .bench.bench import Bench, plan_from
 
     config = _load(target, set_)
-    plan = plan_from(config.bench, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [],
-                     engine or config.decode.engine, log)
+    plan = plan_from(config, suite, workload, methods, limit, max_new_tokens, temperature, concurrency, data or [],
+                     engine, log)
     Bench(config, _run_dir(config, run_dir), plan, log).run(force=force)
 
 
@@ -305,7 +305,7 @@ def export(
     The drafter must use the release's conventions (the Qwen3 configs train in them); one that uses a
     dlite-only option (learned placeholders, a reduced draft vocabulary, ...) is refused with the reason.
     """
-    from .decoding.drafters import export_drafter
+    from .decoding.checkpoints import export_drafter
 
     config = _load(target, set_)
     export_drafter(config, _run_dir(config, run_dir), drafter, out, format_, log)
@@ -338,7 +338,7 @@ def profile(
         return print_memory_plans(config, memory, log)
     choices = {"contexts": _numbers("--contexts", contexts, int), "batches": _numbers("--batches", batches, int),
                "widths": _numbers("--widths", widths, int), "taus": _numbers("--tau", tau, float), "repeats": repeats, "train_steps": train_steps}
-    run_profile(config, choices, out, as_json, engine or config.decode.engine, log)
+    run_profile(config, choices, out, as_json, engine, log)
 
 
 def _numbers(option: str, text: str | None, kind):

@@ -266,14 +266,15 @@ def test_with_identical_text_every_method_writes_plain_decodings_text_in_bfloat1
 
 
 def test_without_vllm_bench_compare_is_left_out_in_one_line(monkeypatch):
-    from dlite_cli import vllm_engine
     from dlite_cli.bench.bench import plan_from
-    from dlite_cli.core.config import BenchConfig
+    from dlite_cli.core.config import BenchConfig, load_config
+    from dlite_cli.decoding import engines
 
-    monkeypatch.setattr(vllm_engine, "supported_vllm", lambda: False)
-    monkeypatch.setattr(vllm_engine, "installed_version", lambda: None)
+    monkeypatch.setattr(engines, "installed_vllm", lambda: None)
+    config = load_config("micro")
+    config.bench = BenchConfig(compare=["ar", "dlite"])
     lines = []
-    plan = plan_from(BenchConfig(compare=["ar", "dlite"]), "all", None, "ar,ngram", None, None, 0.0, None, [], "auto", lines.append)
+    plan = plan_from(config, "all", None, "ar,ngram", None, None, 0.0, None, [], "auto", lines.append)
     assert plan.methods == ["ar", "ngram"]
-    assert lines == [f"vLLM is not installed: decoding in dlite's own engine ({vllm_engine.INSTALL} to decode in vLLM)",
-                     f"bench.compare's methods are not measured in vLLM: it is not installed ({vllm_engine.INSTALL})"]
+    assert lines == [f"vLLM is not installed: decoding in dlite's own engine ({engines.VLLM_INSTALL} to decode in vLLM)",
+                     f"bench.compare's methods are not measured in vLLM: it is not installed ({engines.VLLM_INSTALL})"]

@@ -7,6 +7,7 @@ from dlite_cli.core.config import load_config
 from dlite_cli.core.errors import DliteError
 from dlite_cli.core.memory import LiveBytes, most_that_fit
 from dlite_cli.decoding.decoding_plan import SUFFIX_TREE_BYTES_PER_TOKEN, bench_plan, decoding_plan, engine_context
+from dlite_cli.decoding.methods import parse_method
 from dlite_cli.models.targets import architecture
 from dlite_cli.training.training_plan import stage_plans, training_plan
 
@@ -107,6 +108,6 @@ def test_the_paper_targets_bench_fits_an_80_gb_gpu(cache_dir, target):
 def test_an_engine_of_more_rows_than_fit_is_refused_naming_the_rows_that_do(cache_dir):
     config = load_config("micro")
     arch = architecture(config)
-    assert engine_context(config, arch, "dlite", 1, None, torch.device("cpu")) == arch.max_position_embeddings
+    assert engine_context(config, arch, parse_method("dlite"), 1, None, torch.device("cpu")) == arch.max_position_embeddings
     with pytest.raises(DliteError, match=r"the engine at 1000000 slots × 4096 tokens needs .* free: --max-batch \d+ fits"):
-        engine_context(config, arch, "dlite", 10**6, None, torch.device("cpu"))  # ~4 TB of KV cache; not even 1 024 a row fit
+        engine_context(config, arch, parse_method("dlite"), 10**6, None, torch.device("cpu"))  # ~4 TB of KV cache; not even 1 024 a row fit

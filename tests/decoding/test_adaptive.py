@@ -3,7 +3,9 @@
 from types import SimpleNamespace
 
 from dlite_cli.decoding.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, Candidate, RowGain, VerifyCosts
-from dlite_cli.decoding.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from dlite_cli.decoding.proposers.hybrid import HybridDrafter
+from dlite_cli.decoding.proposers.model import ModelDrafter
+from dlite_cli.decoding.proposers.ngram import NgramDrafter
 from dlite_cli.models.model import greedy_pick
 
 

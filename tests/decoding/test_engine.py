@@ -12,8 +12,14 @@ from dlite_cli.core.config import DrafterConfig, SuffixConfig, TargetConfig
 from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding import engine as engine_module
 from dlite_cli.decoding.adaptive import VerifyCosts
-from dlite_cli.decoding.drafters import Draft, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter, load_proposer, split_lookup
 from dlite_cli.decoding.engine import Engine, OutputText, Request, SamplingParams, probabilities
+from dlite_cli.decoding.methods import known_method, load_proposer, parse_method
+from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
+from dlite_cli.decoding.proposers.hybrid import HybridDrafter
+from dlite_cli.decoding.proposers.model import ModelDrafter
+from dlite_cli.decoding.proposers.ngram import NgramDrafter
+from dlite_cli.decoding.proposers.none import NoDrafter
+from dlite_cli.decoding.proposers.suffix import SuffixDrafter
 from dlite_cli.models.linears import linear_bytes, target_linears
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
 from dlite_cli.models.runner import Prefill, TargetRunner
@@ -71,7 +77,7 @@ def drafter_dirs(micro, tmp_path_factory):
     return dirs
 
 
-class OracleDrafter(NoDrafter):
+class OracleDrafter(Proposer):
     """Proposes the reference continuation, wrong at output indices 3 and 5 mod 7: accepts 1..K per round."""
 
     name, draft_tokens = "oracle", K
@@ -99,14 +105,17 @@ def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=(), path
     return Engine(runner, proposer, set(eos), lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
+def load(name, model, capacity=1024):
+    """The proposer ``name`` names, as the engine loads it (K for those without a checkpoint)."""
+    return load_proposer(known_method(name), None, ProposerSetup(K, SuffixConfig(), model, capacity))
+
+
 def proposer_for(name, micro, drafter_dirs, prompts, reference):
-    model, _ = micro
+    """``name``, with a checkpoint's name standing for its directory among ``drafter_dirs``."""
     if name == "oracle":
         return OracleDrafter(prompts, reference)
-    base, lookup = split_lookup(name)
-    if base in drafter_dirs:
-        return load_proposer(str(drafter_dirs[base]) + name[len(base) :], None, model, capacity=1024, dtype="float32")
-    return load_proposer(name, None, model, capacity=1024, ngram_tokens=K)
+    base = parse_method(name).drafter
+    return load(str(drafter_dirs[base]) + name[len(base) :] if base in drafter_dirs else name, micro[0])
 
 
 @pytest.mark.parametrize("path", ["eager", "static"])
@@ -171,13 +180,12 @@ def test_adaptive_proposals_are_cut_and_skipped_and_the_output_stays_the_targets
     stats = engine.stats
     assert sum(stats.proposed) < K * stats.rounds and stats.proposed[0] < stats.rounds  # cut, and rounds with nothing proposed
     if name not in ("ngram", "suffix"):
-        assert proposer.draft_ms > 0 if not split_lookup(name)[1] else proposer.model.draft_ms > 0
+        assert proposer.draft_ms > 0 if not parse_method(name).pairing else proposer.model.draft_ms > 0
 
 
 @pytest.mark.parametrize("lookup", ["ngram", "suffix"])
 def test_the_hybrid_takes_the_lookup_where_the_text_repeats_and_the_model_elsewhere(lookup, micro, drafter_dirs, prompts):
-    model, _ = micro
-    proposer = load_proposer(str(drafter_dirs["dlite"]) + "+" + lookup, None, model, capacity=1024, dtype="float32")
+    proposer = load(f"{drafter_dirs['dlite']}+{lookup}", micro[0])
     repeated = prompts[1][:20] * 3  # the target continues a repetition it has seen: lookup proposals get accepted
     engine = make_engine(micro, proposer)
     (request,) = engine.run([Request(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))])
@@ -206,7 +214,7 @@ def test_suffix_decoding_copies_an_earlier_requests_response_from_its_global_tre
 def test_suffix_decoding_without_arctic_inference_says_how_to_install_it(micro, monkeypatch):
     monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)  # the import fails as it does where it is not installed
     with pytest.raises(DliteError, match=r"arctic-inference.*--no-build-isolation --no-deps arctic-inference==0\.3\.0") as error:
-        load_proposer("suffix", None, micro[0], capacity=1024)
+        load("suffix", micro[0])
     assert "\n" not in str(error.value)
 
 
@@ -347,7 +355,7 @@ def test_a_history_drafters_next_turn_reuses_the_prompts_features(micro, drafter
     model, _ = micro
 
     def teacher_engine():
-        return make_engine(micro, load_proposer(str(drafter_dirs["teacher"]), None, model, capacity=1024, dtype="float32"), slots=1)
+        return make_engine(micro, load(str(drafter_dirs["teacher"]), model), slots=1)
 
     engine = teacher_engine()
     (first,) = engine.run([Request(prompts[1], SamplingParams(max_new_tokens=NEW_TOKENS))])
@@ -367,7 +375,7 @@ def test_history_drafter_cache_equals_one_pass_over_the_history(micro, drafter_d
     """The teacher's draft KV cache, grown round by round, equals its keys/values computed at once, and holds
     about what the row needs, not the engine's capacity."""
     model, _ = micro
-    proposer = load_proposer(str(drafter_dirs["teacher"]), None, model, capacity=8192, dtype="float32")
+    proposer = load(str(drafter_dirs["teacher"]), model, capacity=8192)
     teacher_propose = proposer.propose
     oracle = OracleDrafter(prompts, reference)
 

@@ -19,10 +19,11 @@ from conftest import AGENT_MESSAGES, AGENT_TOOLS, chi_square_passes
 
 from dlite_cli.bench.bench import plan_from
 from dlite_cli.bench.sessions import free_port
-from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig
+from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig, load_config
 from dlite_cli.core.errors import DliteError
-from dlite_cli.decoding.drafters import load_proposer
 from dlite_cli.decoding.engine import Engine, Request, SamplingParams, stop_tokens_and_text
+from dlite_cli.decoding.methods import known_method, load_proposer, parse_method
+from dlite_cli.decoding.proposers.base import ProposerSetup
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
 from dlite_cli.models.runner import TargetRunner
 from dlite_cli.models.targets import load_model, prepare_target
@@ -121,7 +122,7 @@ def generate(llm, prompts, **params):
 
 def dlite_engine(micro, drafter_dir):
     path, model = micro
-    proposer = load_proposer(str(drafter_dir), None, model, capacity=1024, dtype="float32")
+    proposer = load_proposer(known_method(str(drafter_dir)), None, ProposerSetup(K, SuffixConfig(), model, 1024))
     runner = TargetRunner(model, proposer.target_layers, slots=2, capacity=1024)
     from transformers import AutoTokenizer
 
@@ -203,12 +204,12 @@ def test_refusals(llm, micro, drafter_dir, tmp_path):
     teacher = Drafter(DrafterSpec.for_target(model.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), FULL_HISTORY))
     teacher.save(tmp_path / "teacher")
     with pytest.raises(DliteError, match="keeps a draft history"):
-        resolve(str(tmp_path / "teacher"), tmp_path, K, model.config)
-    assert resolve(f"{drafter_dir}+ngram:fixed", tmp_path, K, model.config) == (drafter_dir, {"model": f"{drafter_dir}+ngram:fixed"})
+        resolve(parse_method(str(tmp_path / "teacher")), tmp_path, K, model.config)
+    assert resolve(parse_method(f"{drafter_dir}+ngram:fixed"), tmp_path, K, model.config) == (drafter_dir, {"model": f"{drafter_dir}+ngram:fixed"})
     settings = SuffixConfig(max_cached_requests=0, min_token_prob=0.2)
-    _, suffix = resolve("suffix", tmp_path, K, model.config, settings)
+    _, suffix = resolve(parse_method("suffix"), tmp_path, K, model.config, settings)
     assert suffix["method"] == "suffix" and suffix["suffix_decoding_max_cached_requests"] == 0 and suffix["num_speculative_tokens"] == K
-    _, paired = resolve(f"{drafter_dir}+suffix", tmp_path, K, model.config, settings)  # the plugin reads vLLM's suffix settings
+    _, paired = resolve(parse_method(f"{drafter_dir}+suffix"), tmp_path, K, model.config, settings)  # the plugin reads vLLM's suffix settings
     assert paired == {"model": f"{drafter_dir}+suffix", **{k: v for k, v in suffix.items() if k.startswith("suffix_decoding_")}}
 
     # a drafter of another target (a wider vocabulary), named to vLLM itself
@@ -251,12 +252,17 @@ def test_bench_in_vllm_runs_what_vllm_can_there_the_rest_in_dlites_engine_and_ta
 
 
 def test_a_plan_runs_its_methods_in_its_engine_and_bench_compare_in_the_other():
+    def config_comparing(*compare):
+        config = load_config("micro")
+        config.bench = BenchConfig(compare=list(compare))
+        return config
+
     with pytest.raises(DliteError, match="--engine must be one of auto, vllm, dlite, got 'sglang'"):
-        plan_from(BenchConfig(), "all", None, None, None, None, 0.0, None, [], "sglang")
-    plan = plan_from(BenchConfig(compare=["dlite"]), "all", None, "ar,history,dlite:fixed", None, None, 0.0, None, [], "vllm")
+        plan_from(config_comparing(), "all", None, None, None, None, 0.0, None, [], "sglang")
+    plan = plan_from(config_comparing("dlite"), "all", None, "ar,history,dlite:fixed", None, None, 0.0, None, [], "vllm")
     # in vLLM but the history drafter; then the comparison in dlite's engine, beside its own plain decoding
     assert plan.methods == ["vllm:ar", "history", "vllm:dlite:fixed", "dlite", "ar"] and plan.moved_to_vllm == ["vllm:ar", "vllm:dlite:fixed"]
-    plan = plan_from(BenchConfig(compare=["history", "dlite+ngram"]), "all", None, "dlite,vllm:ngram", None, None, 0.0, None, [], "dlite")
+    plan = plan_from(config_comparing("history", "dlite+ngram"), "all", None, "dlite,vllm:ngram", None, None, 0.0, None, [], "dlite")
     assert plan.methods == ["dlite", "vllm:ngram", "vllm:dlite+ngram", "ar", "vllm:ar"] and plan.moved_to_vllm == []
 
 

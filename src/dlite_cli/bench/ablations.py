@@ -34,7 +34,7 @@ from ..core.errors import DliteError
 from ..core.files import atomic_path, atomic_write_text
 from ..data.workloads import BY_NAME
 from ..models.model import FULL_HISTORY, DrafterSpec
-from ..models.targets import load_target_config, prepare_target
+from ..models.targets import target_config
 from ..training.steps import stage_plan
 from ..training.train import SharedInputs, Trainer, launched, mixed_precision
 from .bench import Bench, BenchPlan, read_lines
@@ -129,11 +129,11 @@ class Study:
 
     def train(self) -> None:
         """Every variant's stages in order (a finished one does nothing), after the feature cache of all their layers."""
-        target_config = load_target_config(prepare_target(self.config.target, self.log))
+        arch = target_config(self.config, self.log)
         drafters = [self._config(v, v.stages[-1], {}).drafter for v in self.variants]
-        layers = sorted({i for drafter in drafters for i in DrafterSpec.for_target(target_config, drafter, 0).target_layer_ids})
+        layers = sorted({i for drafter in drafters for i in DrafterSpec.for_target(arch, drafter, 0).target_layer_ids})
         shared = SharedInputs(self.run_dir, self.dir, layers)
-        pins = self._precision(DrafterSpec.for_target(target_config, self.config.drafter, 0))
+        pins = self._precision(DrafterSpec.for_target(arch, self.config.drafter, 0))
         for index, variant in enumerate(self.variants, 1):
             for stage in variant.stages:
                 self.log(f"ablation [{index}/{len(self.variants)}] {variant.name} ({variant.factor}: {variant.value}): {stage}")

@@ -40,24 +40,24 @@ import uuid
 from pathlib import Path
 
 from ..core.artifacts import Stage, fingerprint_dir
-from ..core.config import BenchConfig, Config, SuffixConfig, config_hash
+from ..core.config import Config, SuffixConfig, config_hash
 from ..core.devices import hardware, resolve_device
 from ..core.errors import DliteError
 from ..core.files import atomic_path, atomic_write_json, atomic_write_text, read_json
 from ..core.memory import MemoryPlan, checked, device_memory
 from ..core.progress import progress_bar
 from ..data.workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
-from ..decoding.decoding_plan import bench_plan, keeps_history
-from ..decoding.drafters import checkpoint_of, drafter_origin, load_proposer, split_fixed, suffix_part
-from ..decoding.engine import Engine, Request, SamplingParams, stop_tokens_and_text
+from ..decoding.checkpoints import drafter_origin
+from ..decoding.decoding_plan import bench_plan
+from ..decoding.engine import Engine, Request, SamplingParams, proposer_setup, stop_tokens_and_text
+from ..decoding.methods import VLLM_PREFIX, checkpoint_of, known_method, load_proposer, parse_method
+from ..decoding.proposers.suffix import suffix_part
 from ..models.chat import chat_prompt_ids
 from ..models.graphs import CAPTURES
 from ..models.runner import TargetRunner, decode_path, pass_width
-from ..models.targets import Work, load_target, load_target_config, prepare_target
+from ..models.targets import Work, load_target, prepare_target, target_config
 from .report import PLOTS, write_report
 
-VLLM_PREFIX = "vllm:"  # a method run in vLLM (vllm_engine), e.g. vllm:ar, vllm:ngram, vllm:dlite
-METHOD_NAMES = {"ar": "none", "ar:fastest": "none"}  # bench's names for plain autoregressive decoding
 # Plain decoding at its fastest here (one token a pass, eager on a CPU, CUDA graphs on a GPU), measured beside
 # "ar" when the methods share passes K + 1 wide (a lower precision: see runner.pass_width): speedups are
 # taken against the faster of the two, greedy texts compared with "ar", which computes what the others do.
@@ -168,7 +168,7 @@ class Bench:
 
     def _memory_plan(self) -> MemoryPlan:
         """The plan's memory plan (memory.py) on the target's device; one that does not fit is refused before the target loads."""
-        arch, device = load_target_config(prepare_target(self.config.target, self.log)), resolve_device(self.config.target.device)
+        arch, device = target_config(self.config, self.log), resolve_device(self.config.target.device)
         capacity, levels = device_memory(device), self.plan.concurrency
 
         def planned(levels: list[int]) -> MemoryPlan:
@@ -197,74 +197,86 @@ class Bench:
         """An engine per method of the plan (and ar:fastest beside padded plain decoding) → the methods that could
         not be loaded, with the reason."""
         self.engines, self.drafters, self.fingerprints, self.origins, self.engine_keys = {}, {}, {}, {}, {}
+        self.fastest_path = "graphs" if model.device.type == "cuda" else "eager"
         unavailable, proposers = {}, {}
-        eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
-        capacity = model.config.max_position_embeddings
-        self.fastest_path = fastest_path = "graphs" if model.device.type == "cuda" else "eager"
         methods = list(self.plan.methods)
         for method in methods:  # a method measured in dlite's engine instead of vLLM joins the list as it goes
-            if method == "ar" and (width > 1 or self.path != fastest_path):
+            if method == "ar" and (width > 1 or self.path != self.fastest_path):
                 methods.append(FASTEST_AR)
-            if method.startswith(VLLM_PREFIX):
-                try:
-                    self._load_vllm(method, model)
-                except DliteError as e:
-                    unavailable[method] = str(e)
-                    local = method.removeprefix(VLLM_PREFIX)
-                    if method in self.plan.moved_to_vllm and local not in methods:  # measured in dlite's engine instead
-                        unavailable[method] += f"; measured in dlite's engine as {local}"
-                        methods += [local] + (["ar"] if "ar" not in methods else [])
-                continue
-            name = METHOD_NAMES.get(method, method)
             try:
-                proposers[method] = load_proposer(name, self.stage.dir.parent, model, capacity, self.config.drafter.draft_tokens, self.config.decode.draft_dtype, self.path, self.log,
-                                                 self.config.suffix)
-                if suffix_part(proposers[method]):  # its settings are part of what was measured
-                    self.engine_keys[method] = {"suffix": dataclasses.asdict(self.config.suffix)}
-                directory = checkpoint_of(name, self.stage.dir.parent)
-                if directory is None:
-                    self.drafters[method] = self.fingerprints[method] = name
-                    self.origins[method] = "no checkpoint"
+                if parse_method(method).in_vllm:
+                    self._load_vllm(method, model)
                 else:
-                    self.drafters[method], self.fingerprints[method] = str(directory), fingerprint_dir(directory)
-                    self.origins[method] = drafter_origin(directory)
+                    proposers[method] = self._load_proposer(method, model)
             except DliteError as e:
                 unavailable[method] = str(e)
-        # Methods share a runner where their drafters read the same target layers (those that read none
-        # join the first), so the prompt prefilled for one method is reused by the next on the same episode:
-        # prefill is the target's work alone, the same for every method, and excluded from the speedup.
-        shared = next((tuple(p.target_layers) for p in proposers.values() if p.target_layers), ())
-        runners = {}
-        for method, proposer in proposers.items():
-            if method == FASTEST_AR:
-                runner = TargetRunner(model, [], 1, capacity, self.config.decode.prefill_chunk, fastest_path)
-                self.engines[method] = Engine(runner, proposer, eos, detokenize)
-                continue
-            layers = tuple(proposer.target_layers) or shared
-            if layers not in runners:
-                # one pass width for every method (padded plain decoding too, in a lower precision): the same text
-                runners[layers] = TargetRunner(model, list(layers), 1, capacity, self.config.decode.prefill_chunk, self.path, width)
-            adaptive = self.config.decode.adaptive and split_fixed(method)[1]
-            self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
+                methods += self._measured_instead(method, methods, unavailable)
+        self._engines(proposers, model, width)
         # methods whose suffix trees keep earlier responses → that drafter, and what its global tree holds now
         self.global_trees = {m: suffix_part(p) for m, p in proposers.items() if suffix_part(p) and self.config.suffix.max_cached_requests}
         self.tree_holds: dict[str, tuple[str, list[str]]] = {}
         return unavailable
 
+    def _measured_instead(self, method: str, methods: list[str], unavailable: dict[str, str]) -> list[str]:
+        """For a method the plan moved to vLLM that vLLM could not load: the methods to measure in dlite's engine instead
+        (it, and plain decoding where that is not measured yet), noted in ``unavailable``."""
+        local = parse_method(method).local
+        if method not in self.plan.moved_to_vllm or local in methods:
+            return []
+        unavailable[method] += f"; measured in dlite's engine as {local}"
+        return [local] + (["ar"] if "ar" not in methods else [])
+
+    def _load_proposer(self, name: str, model):
+        """The proposer of a method in dlite's engine (decoding/methods.py), labelled and keyed by its checkpoint."""
+        method = parse_method(name)
+        setup = proposer_setup(self.config, model, model.config.max_position_embeddings, self.path, self.log)
+        proposer = load_proposer(method, self.stage.dir.parent, setup)
+        if suffix_part(proposer):  # its settings are part of what was measured
+            self.engine_keys[name] = {"suffix": dataclasses.asdict(self.config.suffix)}
+        self._label(name, checkpoint_of(method, self.stage.dir.parent), method.drafter_option)
+        return proposer
+
+    def _engines(self, proposers: dict, model, width: int) -> None:
+        """An engine per proposer.  Methods share a runner where their drafters read the same target layers (those that
+        read none join the first), so the prompt prefilled for one method is reused by the next on the same episode:
+        prefill is the target's work alone, the same for every method, and excluded from the speedup."""
+        eos, detokenize = stop_tokens_and_text(model, self.tokenizer)
+        capacity, chunk = model.config.max_position_embeddings, self.config.decode.prefill_chunk
+        shared = next((tuple(p.target_layers) for p in proposers.values() if p.target_layers), ())
+        runners = {}
+        for method, proposer in proposers.items():
+            if method == FASTEST_AR:
+                runner = TargetRunner(model, [], 1, capacity, chunk, self.fastest_path)
+                self.engines[method] = Engine(runner, proposer, eos, detokenize)
+                continue
+            layers = tuple(proposer.target_layers) or shared
+            if layers not in runners:
+                # one pass width for every method (padded plain decoding too, in a lower precision): the same text
+                runners[layers] = TargetRunner(model, list(layers), 1, capacity, chunk, self.path, width)
+            adaptive = self.config.decode.adaptive and parse_method(method).adaptive
+            self.engines[method] = Engine(runners[layers], proposer, eos, detokenize, adaptive=adaptive)
+
+    def _label(self, method: str, directory: Path | None, name: str) -> None:
+        """What ``method``'s measurements are labelled and keyed by: its checkpoint (path, fingerprint, origin), or
+        ``name`` where it has none."""
+        if directory is None:
+            self.drafters[method] = self.fingerprints[method] = name
+            self.origins[method] = "no checkpoint"
+        else:
+            self.drafters[method], self.fingerprints[method], self.origins[method] = str(directory), fingerprint_dir(directory), drafter_origin(directory)
+
     def _load_vllm(self, method: str, model) -> None:
         """A vLLM engine for ``vllm:NAME`` (vllm_engine), keyed also by vLLM's version and settings."""
         from ..vllm_engine.engine import VllmEngine, resolve
 
-        directory, spec = resolve(method.removeprefix(VLLM_PREFIX), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config,
+        directory, spec = resolve(parse_method(method), self.stage.dir.parent, self.config.drafter.draft_tokens, model.config,
                                   prompt_trees_only(self.config.suffix))
         try:
             engine = VllmEngine(prepare_target(self.config.target, self.log).path, spec, self.config.vllm, str(model.dtype).removeprefix("torch."), self.log)
         except (RuntimeError, ValueError) as e:  # vLLM's own, from its engine process: the cause is in the log above
             raise DliteError(f"vLLM could not start {method}: {str(e).splitlines()[0]}") from None
         self.engines[method] = engine
-        self.drafters[method] = str(directory) if directory else method.removeprefix(VLLM_PREFIX)
-        self.fingerprints[method] = fingerprint_dir(directory) if directory else self.drafters[method]
-        self.origins[method] = drafter_origin(directory) if directory else "no checkpoint"
+        self._label(method, directory, parse_method(method).local)
         self.engine_keys[method] = {"engine": engine.version, "vllm": dataclasses.asdict(self.config.vllm)}
         if spec and "suffix_decoding_max_cached_requests" in spec:
             self.engine_keys[method]["suffix"] = dataclasses.asdict(prompt_trees_only(self.config.suffix))
@@ -389,7 +401,7 @@ class Bench:
                                 **self.engine_keys.get(method, {}))
                 if key not in stored:
                     self._warm_up()
-                    measure = self._vllm_throughput if method.startswith(VLLM_PREFIX) else self._throughput
+                    measure = self._vllm_throughput if parse_method(method).in_vllm else self._throughput
                     stored[key] = {"id": uuid.uuid4().hex[:12], "key": key, "concurrency": level, "method": method, "workload": source,
                                    **measure(engine, level, batch)}
                     append_line(self.throughput, stored[key])
@@ -436,14 +448,17 @@ class Bench:
                 atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in read_lines(path)))
 
 
-def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: str | None, limit: int | None, max_new_tokens: int | None,
-              temperature: float, concurrency: str | None, data: list[str], engine: str = "dlite", log=print) -> BenchPlan:
+def plan_from(config: Config, suite: str, workload: str | None, methods: str | None, limit: int | None, max_new_tokens: int | None,
+              temperature: float, concurrency: str | None, data: list[str], engine: str | None = None, log=print) -> BenchPlan:
     """The command line's choices, the config's ``bench`` section where it makes none → a BenchPlan
-    (one-sentence errors for bad values).  ``engine`` (auto, vllm or dlite; vllm_engine.choose_engine) is where the
-    methods run (:func:`engine_methods`)."""
-    from ..vllm_engine import choose_engine
+    (one-sentence errors for bad values, an unknown method's among them, before anything loads).  ``engine`` (auto, vllm
+    or dlite; None: decode.engine; decoding/engines.choose_engine) is where the methods run (:func:`engine_methods`)."""
+    from ..decoding.engines import choose_engine
 
-    names, moved = engine_methods(method_names(methods, defaults.methods), defaults.compare, choose_engine(engine, log), log)
+    defaults = config.bench
+    for name in defaults.compare:
+        known_method(name)
+    names, moved = engine_methods(method_names(methods, defaults.methods), defaults.compare, choose_engine(config, engine, log), log)
     levels = defaults.concurrency
     if concurrency is not None:
         try:
@@ -463,10 +478,13 @@ def plan_from(defaults: BenchConfig, suite: str, workload: str | None, methods: 
 
 
 def method_names(text: str | None, default: list[str]) -> list[str]:
-    """``--methods``' comma-separated list (None: ``default``), each once, in order; empty is a one-sentence error."""
+    """``--methods``' comma-separated list (None: ``default``), each once, in order; empty, or a name the grammar does not
+    know (decoding/methods.known_method), is a one-sentence error."""
     names = default if text is None else [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise DliteError("--methods is empty: expected e.g. ar,dlite,ngram,suffix,dlite+suffix,vllm:ar")
+    for name in names:
+        known_method(name)
     return list(dict.fromkeys(names))
 
 
@@ -477,15 +495,20 @@ def engine_methods(names: list[str], compare: list[str], engine: str, log=print)
     Then ``compare`` (bench.compare) runs in the other engine beside them: in dlite's engine when the plan runs in
     vLLM, in vLLM (where it is installed; else said in one line) when it runs in dlite's.  Each engine's plain decoding
     is measured wherever one of its methods is: speedups are against it."""
-    from ..vllm_engine import INSTALL, supported_vllm
+    from ..decoding.engines import VLLM_INSTALL, supported_vllm
 
-    moved = [VLLM_PREFIX + n for n in names if engine == "vllm" and not n.startswith(VLLM_PREFIX) and not keeps_history(n)]
+    def movable(name: str) -> bool:
+        method = parse_method(name)
+        return not method.in_vllm and not method.keeps_history
+
+    moved = [VLLM_PREFIX + n for n in names if engine == "vllm" and movable(n)]
     methods = [VLLM_PREFIX + n if VLLM_PREFIX + n in moved else n for n in names]
     if engine == "vllm":
         methods += compare
     elif compare and supported_vllm():
-        methods += [VLLM_PREFIX + n for n in compare if not keeps_history(n)]
+        methods += [VLLM_PREFIX + n for n in compare if not parse_method(n).keeps_history]
     elif compare:
-        log(f"bench.compare's methods are not measured in vLLM: it is not installed ({INSTALL})")
-    plain = [m for m in ("ar", VLLM_PREFIX + "ar") if any(n.startswith(VLLM_PREFIX) == m.startswith(VLLM_PREFIX) for n in methods)]
+        log(f"bench.compare's methods are not measured in vLLM: it is not installed ({VLLM_INSTALL})")
+    engines = {parse_method(n).in_vllm for n in methods}
+    plain = [m for m in ("ar", VLLM_PREFIX + "ar") if parse_method(m).in_vllm in engines]
     return list(dict.fromkeys(methods + plain)), moved

@@ -29,8 +29,10 @@ from ..core.errors import DliteError
 from ..core.memory import GB, HEADROOM, MemoryPlan, device_memory, kv_bytes_per_token, size
 from ..core.progress import progress_bar
 from ..data.hub import is_hub_id
-from ..decoding.drafters import DLiteAdapter, HistoryAdapter, draft_dtype
 from ..decoding.engine import Engine, Request, SamplingParams
+from ..decoding.proposers.dlite import DLiteAdapter
+from ..decoding.proposers.history import HistoryAdapter
+from ..decoding.proposers.model import draft_dtype
 from ..models.linears import linear_bytes, target_linears
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from ..models.runner import TargetRunner, decode_path
@@ -343,17 +345,17 @@ def memory_table(plans: list[MemoryPlan], capacity: int, device: str):
     return table
 
 
-def run_profile(config: Config, choices: dict, out: Path | None, as_json: bool, engine: str, log) -> None:
+def run_profile(config: Config, choices: dict, out: Path | None, as_json: bool, engine: str | None, log) -> None:
     """``dlite profile``: the default plan for this device with ``choices`` (ProfilePlan fields; None: the default)
-    applied, timed (inside vLLM too where ``engine`` chooses it), written as JSON to ``out`` and shown as tables."""
+    applied, timed (inside vLLM too where ``engine``, or decode.engine, chooses it), written as JSON to ``out`` and shown as tables."""
     from rich.console import Console
 
     from ..core.files import atomic_write_json
-    from ..vllm_engine import choose_engine
+    from ..decoding.engines import choose_engine
 
     device = resolve_device(config.target.device)
     plan = dataclasses.replace(default_plan(config, device), **{k: v for k, v in choices.items() if v is not None})
-    result = Profiler(config, plan, log, vllm=choose_engine(engine, log) == "vllm").run()
+    result = Profiler(config, plan, log, vllm=choose_engine(config, engine, log) == "vllm").run()
     path = out or Path("runs") / config.name / f"profile-{device.type}.json"
     atomic_write_json(path, result)
     if as_json:

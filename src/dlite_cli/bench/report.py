@@ -23,6 +23,7 @@ import yaml
 from ..core.config import CONFIG_DIRS
 from ..core.files import atomic_write_json, atomic_write_text
 from ..data.workloads import BY_NAME
+from ..decoding.methods import parse_method
 
 PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
 CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -67,8 +68,8 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
             group["draft_s"] += turn["draft_s"]
             group["verify_s"] += turn["verify_s"]
             group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
-            plain = plain_text.get((record["workload"], record["episode"], plain_of(record["method"]), index))
-            if plain and record["method"] != plain_of(record["method"]):
+            plain = plain_text.get((record["workload"], record["episode"], parse_method(record["method"]).plain, index))
+            if plain and record["method"] != parse_method(record["method"]).plain:
                 group["same_text"][0] += turn.get("output_sha") == plain
                 group["same_text"][1] += 1
             for key in ("proposed", "accepted"):
@@ -80,7 +81,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
         # the baseline is the fastest plain decoding measured in the method's engine (ar, or ar:fastest where the methods'
         # passes are padded; vllm:ar for a method run in vLLM)
-        engine_plain = (plain_of(method),) if engine_of(method) == "vLLM" else ("ar", "ar:fastest")
+        engine_plain = (parse_method(method).plain,) if parse_method(method).in_vllm else ("ar", "ar:fastest")
         plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
         baseline = min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
         ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
@@ -176,16 +177,6 @@ def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
 ROW_KEYS = ["target", "method", "engine", "drafter", "origin", "hardware"]  # origin: release, or the stage that trained the checkpoint
 
 
-def engine_of(method: str) -> str:
-    """The engine a bench method ran in: vLLM for ``vllm:NAME``, dlite's own otherwise."""
-    return "vLLM" if method.startswith("vllm:") else "dlite"
-
-
-def plain_of(method: str) -> str:
-    """The plain decoding a method's speedup is taken against: its own engine's."""
-    return "vllm:ar" if engine_of(method) == "vLLM" else "ar"
-
-
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
     stats = aggregate(results)
     methods = list(dict.fromkeys(r["method"] for r in results))
@@ -205,7 +196,7 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
         columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
         table = Table(name, title, columns)
         for method in methods:
-            row = {"target": target, "method": method, "engine": engine_of(method), "drafter": _of(stats, method, "drafter"),
+            row = {"target": target, "method": method, "engine": parse_method(method).engine, "drafter": _of(stats, method, "drafter"),
                    "origin": _of(stats, method, "origin"), "hardware": hardware}
             for w in workloads:
                 cell = stats.get((w, method))
@@ -238,9 +229,9 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
     table = Table("table4_throughput", "Table 4: throughput vs concurrency", ROW_KEYS + ["workload", "concurrency", "tokens/s", "speedup"])
     plain = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in throughput if r["method"] in ("ar", "vllm:ar")}
     for r in throughput:
-        baseline = plain.get((plain_of(r["method"]), r["concurrency"]))
+        baseline = plain.get((parse_method(r["method"]).plain, r["concurrency"]))
         speedup = r["tokens_per_s"] / baseline if baseline else None
-        table.rows.append({"target": target, "method": r["method"], "engine": engine_of(r["method"]), "drafter": _of(stats, r["method"], "drafter"),
+        table.rows.append({"target": target, "method": r["method"], "engine": parse_method(r["method"]).engine, "drafter": _of(stats, r["method"], "drafter"),
                            "origin": _of(stats, r["method"], "origin"), "hardware": hardware,
                            "workload": BY_NAME[r["workload"]].title, "concurrency": r["concurrency"],
                            "tokens/s": _cell(r["tokens_per_s"], 1), "speedup": _cell(speedup)})

@@ -42,13 +42,12 @@ from ..core.devices import hardware, resolve_device
 from ..core.errors import DliteError
 from ..core.progress import progress_bar
 from ..data.workloads import Episode, Unavailable, episode_key, load, select
-from ..decoding.drafters import checkpoint_of
+from ..decoding.methods import checkpoint_of, parse_method
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_target_config, load_tokenizer, prepare_target
-from .bench import VLLM_PREFIX, append_line, read_lines
-from .report import Table, engine_of, plain_of, speedup_interval
+from .bench import append_line, read_lines
+from .report import Table, speedup_interval
 
-PLAIN = "ar"  # plain decoding, as the bench names it (``dlite serve --drafter none``)
 EPISODES_READ = 64  # episodes read per workload to find those with enough turns
 START_TIMEOUT_S = 600  # a server that answers no /health by then has failed (vLLM compiles at start-up)
 
@@ -158,17 +157,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def drafter_of(method: str) -> str:
-    """A method as the bench names it → ``dlite serve --drafter``'s name for it (in either engine)."""
-    name = method.removeprefix(VLLM_PREFIX)
-    return "none" if name == PLAIN else name
-
-
 def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], port: int) -> list[str]:
     """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) as a user starts it: its slots, queue and
     context the config's."""
-    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", engine_of(method).lower(),
-            "--drafter", drafter_of(method), "--port", str(port)]
+    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", parse_method(method).engine.lower(),
+            "--drafter", parse_method(method).drafter_option, "--port", str(port)]
     return argv + [a for o in overrides for a in ("--set", o)]
 
 
@@ -217,7 +210,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
 
     sessions = agent_sessions(plan.sessions, plan.turns, fits)
     # an unknown or missing drafter is refused before any server starts
-    drafters = {m: None if plan.url else checkpoint_of(drafter_of(m), run_dir) for m in plan.methods}
+    drafters = {m: None if plan.url else checkpoint_of(parse_method(m), run_dir) for m in plan.methods}
     stage = Stage(run_dir, "sessions")
     recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
     stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)
@@ -315,11 +308,11 @@ def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table
     table = Table("sessions", "Agent sessions end to end", columns)
     runs = {(r["method"], r["concurrency"]): r for r in records}
     for record in records:
-        row = summarize(record, runs.get((plain_of(record["method"]), record["concurrency"])))
+        row = summarize(record, runs.get((parse_method(record["method"]).plain, record["concurrency"])))
         interval = "–".join(f"{v:.2f}" for v in row["interval"]) if row["interval"] else ""
         kept = f"{100 * row['kept_mean']:.0f} % (min {100 * row['kept_min']:.0f} %)" if row["kept_mean"] is not None else ""
         table.rows.append({
-            "method": record["method"].removeprefix(VLLM_PREFIX), "engine": engine_of(record["method"]),
+            "method": parse_method(record["method"]).local, "engine": parse_method(record["method"]).engine,
             "sessions at once": record["concurrency"], "completion tok/s": _fmt(row["tokens_per_s"]), "speedup": _fmt(row["speedup"], 2),
             "speedup 90% interval": interval, "TTFT first turn s": _fmt(row["ttft_first_s"], 2), "TTFT last turn s": _fmt(row["ttft_last_s"], 2),
             "ITL p50 ms": _fmt(row["itl_p50_ms"]), "ITL p99 ms": _fmt(row["itl_p99_ms"]),

@@ -11,21 +11,10 @@ from ..core.memory import MIN_CONTEXT, MemoryPlan, device_memory, fake_mode, kv_
 from ..models.linears import four_bit_bytes, packed_bytes
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec
 from ..models.targets import random_target
-from .drafters import split_fixed, split_lookup
+from .methods import Method, parse_method
 
 # host bytes per token of suffix decoding's trees (arctic-inference, max_tree_depth 24): 256 000 Zipf-distributed ids
 SUFFIX_TREE_BYTES_PER_TOKEN = 260
-
-
-def keeps_history(drafter: str) -> bool:
-    """Whether the drafter named (as ``dlite bench`` and ``serve`` name them) keeps a draft KV cache."""
-    return split_fixed(drafter)[0] == "history"
-
-
-def uses_suffix_trees(drafter: str) -> bool:
-    """Whether the drafter named is suffix decoding or paired with it (``suffix``, ``NAME+suffix``)."""
-    base = split_fixed(drafter)[0]
-    return "suffix" in (base, split_lookup(base)[1])
 
 
 def suffix_tree_bytes(config: Config, slots: int, tokens: int, response_tokens: int) -> int:
@@ -74,26 +63,27 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
     return MemoryPlan(stage, setting, parts, sum(parts.values()))
 
 
-def bench_plan(config: Config, arch, device_type: str, methods: list[str], concurrency: list[int], max_new_tokens: int) -> MemoryPlan:
+def bench_plan(config: Config, arch, device_type: str, names: list[str], concurrency: list[int], max_new_tokens: int) -> MemoryPlan:
     """``dlite bench``: its concurrency sweep's widest level (first turns of chat prompts, planned at
     regen.max_prompt_tokens of prompt and ``max_new_tokens``) beside the batch-1 runner at the target's context."""
+    methods = [parse_method(name) for name in names]
     return decoding_plan(config, arch, "bench", max(concurrency, default=1), config.regen.max_prompt_tokens + max_new_tokens,
-                         device_type, any(keeps_history(m) for m in methods), single_row_tokens=arch.max_position_embeddings,
+                         device_type, any(m.keeps_history for m in methods), single_row_tokens=arch.max_position_embeddings,
                          slots_keep_features=False,  # the sweep's requests have one turn
-                         suffix_responses=max_new_tokens if any(uses_suffix_trees(m) for m in methods) else 0)
+                         suffix_responses=max_new_tokens if any(m.uses_suffix_trees for m in methods) else 0)
 
 
-def engine_context(config: Config, arch, drafter: str, slots: int, context: int | None, device: torch.device, log=print,
+def engine_context(config: Config, arch, method: Method, slots: int, context: int | None, device: torch.device, log=print,
                    response_tokens: int = 0) -> int:
     """The positions per row an engine of ``slots`` rows may hold on ``device``: ``context`` where it was asked
     for and fits (else refused, naming the rows that fit); none asked, the target's context, or as much of it
     as fits (said in one line), as vLLM sizes its model length to the KV cache it has room for.  Suffix decoding's
     trees are planned for responses of ``response_tokens`` (0: as long as a row)."""
-    capacity, history = device_memory(device), keeps_history(drafter)
+    capacity, history = device_memory(device), method.keeps_history
     wanted = context or arch.max_position_embeddings
 
     def plan_at(rows: int, tokens: int) -> MemoryPlan:
-        suffix = (response_tokens or tokens) if uses_suffix_trees(drafter) else 0
+        suffix = (response_tokens or tokens) if method.uses_suffix_trees else 0
         return decoding_plan(config, arch, "the engine", rows, tokens, device.type, history, suffix_responses=suffix)
 
     plan = plan_at(slots, wanted)

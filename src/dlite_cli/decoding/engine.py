@@ -2,7 +2,7 @@
 
 One round, for the B active rows (each row is a Request):
 
-    draft    the drafter proposes up to K tokens d_1..d_K after each row's anchor (drafters.py)
+    draft    the proposer proposes up to K tokens d_1..d_K after each row's anchor (proposers/)
     verify   the target runs [anchor, d_1..d_L] of every row in one batched pass (runner.py)
     accept   greedy: the longest prefix equal to the target's argmax, plus the target's next token;
              sampling: speculative rejection sampling, so the output is distributed exactly as the
@@ -31,6 +31,7 @@ from ..models.graphs import CAPTURES
 from ..models.model import greedy_pick
 from ..models.runner import Prefill, TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
+from .engines import DecodingEngine
 
 
 @dataclass
@@ -226,8 +227,8 @@ def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tens
 # ---------------------------------------------------------------- the engine
 
 
-class Engine:
-    """Continuous batching over a TargetRunner's slots with one drafter (drafters.py)."""
+class Engine(DecodingEngine):
+    """Continuous batching over a TargetRunner's slots with one proposer (proposers/)."""
 
     def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False):
         """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot.
@@ -242,21 +243,24 @@ class Engine:
         self.active: list[Request] = []
         self.stats = Stats(drafter.draft_tokens)
 
+    @property
+    def capacity(self) -> int:
+        return self.runner.capacity
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.drafter.draft_tokens
+
     def validate(self, request: Request) -> None:
         """Refuse, in one sentence, a request that can never be decoded (changes nothing: thread-safe)."""
         request.params.check()
-        need = len(request.prompt_ids) + self.drafter.draft_tokens + 2
         if not request.prompt_ids:
             raise DliteError("the prompt is empty")
-        if need > self.runner.capacity:
+        if self.room(len(request.prompt_ids)) < 0:
             raise DliteError(
-                f"the prompt has {len(request.prompt_ids)} tokens; with {self.drafter.draft_tokens} draft tokens it needs "
-                f"{need} of KV cache, more than the engine's {self.runner.capacity}"
+                f"the prompt has {len(request.prompt_ids)} tokens; with {self.draft_tokens} draft tokens it needs "
+                f"{self.capacity - self.room(len(request.prompt_ids))} of KV cache, more than the engine's {self.capacity}"
             )
-
-    def room(self, prompt_tokens: int) -> int:
-        """New tokens a prompt of this length leaves room for."""
-        return self.runner.capacity - prompt_tokens - self.drafter.draft_tokens - 2
 
     def add(self, request: Request) -> None:
         """Queue a request (validated first)."""
@@ -482,29 +486,34 @@ class SamplingPick:
 
 
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print, response_tokens: int = 0):
-    """Target + drafter adapter + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to
-    ``decode.max_batch``, ``capacity`` (KV cache tokens per slot) to the target's context length, or as much of
-    it as the device has room for (memory.engine_context: planned before the target loads, suffix decoding's trees
-    for responses of ``response_tokens``)."""
+    """Target + proposer + runner for ``config`` → (engine, tokenizer).  ``slots`` defaults to ``decode.max_batch``,
+    ``capacity`` (KV cache tokens per slot) to the target's context length, or as much of it as the device has room for
+    (memory.engine_context: planned before the target loads, suffix decoding's trees for responses of
+    ``response_tokens``)."""
     from ..core.devices import resolve_device
-    from ..models.targets import Work, load_target, load_target_config, prepare_target
+    from ..models.targets import Work, load_target, target_config
     from .decoding_plan import engine_context
-    from .drafters import checkpoint_of, load_proposer, split_fixed
+    from .methods import checkpoint_of, known_method, load_proposer
 
-    decode = config.decode
-    slots = slots or decode.max_batch
-    capacity = engine_context(config, load_target_config(prepare_target(config.target, log)), drafter, slots, capacity,
+    decode, method = config.decode, known_method(drafter)
+    capacity = engine_context(config, target_config(config, log), method, slots or decode.max_batch, capacity,
                               resolve_device(config.target.device), log, response_tokens)
-    checkpoint_of(drafter, run_dir)  # an unknown or missing drafter is refused before the target loads
+    checkpoint_of(method, run_dir)  # a drafter whose stage has not run is refused before the target loads
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
-    proposer = load_proposer(drafter, run_dir, model, capacity, config.drafter.draft_tokens, decode.draft_dtype, path, log, config.suffix)
+    proposer = load_proposer(method, run_dir, proposer_setup(config, model, capacity, path, log))
     # identical text: every method's passes as wide as the widest's (the config's K, as the bench's), plain decoding's too
     shared = max(proposer.draft_tokens, config.drafter.draft_tokens) if decode.identical_text else proposer.draft_tokens
-    width = pass_width(shared, model.dtype, path, decode.identical_text)
-    runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path, width)
-    adaptive = decode.adaptive and split_fixed(drafter)[1]
-    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=adaptive), tokenizer
+    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path,
+                          pass_width(shared, model.dtype, path, decode.identical_text))
+    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=decode.adaptive and method.adaptive), tokenizer
+
+
+def proposer_setup(config, model, capacity: int, path: str, log=print):
+    """What building a proposer for ``config`` uses (proposers/base.ProposerSetup), on the loaded target ``model``."""
+    from .proposers.base import ProposerSetup
+
+    return ProposerSetup(config.drafter.draft_tokens, config.suffix, model, capacity, config.decode.draft_dtype, path, log)
 
 
 def stop_tokens_and_text(model, tokenizer) -> tuple[set[int], object]:

@@ -122,6 +122,11 @@ def load_target_config(prepared: PreparedTarget):
     return _from_pretrained(AutoConfig, prepared)
 
 
+def target_config(config, log=print):
+    """The Hugging Face config of ``config``'s target (prepared first where it must be built; no weights read)."""
+    return load_target_config(prepare_target(config.target, log))
+
+
 def load_model(prepared: PreparedTarget, dtype: str, device, log=print, work: Work = Work("decoding")):
     """The target model in eval mode, in ``dtype`` (float32, bfloat16, float16, or auto: see :func:`resolved_dtype`),
     on ``device``."""

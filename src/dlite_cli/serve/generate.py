@@ -7,31 +7,28 @@ import json
 from pathlib import Path
 
 from ..core.config import Config
-from ..core.errors import DliteError
 from ..decoding.engine import Request, SamplingParams, load_engine
+from ..decoding.engines import open_engine
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_tokenizer, prepare_target
-from ..vllm_engine import choose_engine
 
 
-def decoding_engine(config: Config, run_dir: Path, drafter: str, setting: str, max_new_tokens: int, log):
-    """The engine for ``setting`` (auto, vllm or dlite) → (engine, tokenizer, its name): vLLM (auto: where installed)
-    or dlite's own; a drafter vLLM cannot draft with runs in dlite's under auto, said in one line."""
-    engine = choose_engine(setting, log)
-    if engine == "vllm":
+def decoding_engine(config: Config, run_dir: Path, drafter: str, setting: str | None, max_new_tokens: int, log):
+    """The engine for ``setting`` (auto, vllm or dlite; None: decode.engine) → (engine, tokenizer, its name), opened as
+    decoding/engines.open_engine does."""
+
+    def in_vllm():
         from ..vllm_engine.engine import load_vllm_engine
 
-        try:
-            return load_vllm_engine(config, run_dir, drafter, log), load_tokenizer(prepare_target(config.target, log)), engine
-        except DliteError as e:
-            if setting == "vllm":
-                raise
-            log(f"{e}: decoding in dlite's own engine instead")
-    decoder, tokenizer = load_engine(config, run_dir, drafter, slots=1, log=log, response_tokens=max_new_tokens)
-    return decoder, tokenizer, "dlite"
+        return load_vllm_engine(config, run_dir, drafter, log), load_tokenizer(prepare_target(config.target, log)), "vllm"
+
+    def in_dlite():
+        return *load_engine(config, run_dir, drafter, slots=1, log=log, response_tokens=max_new_tokens), "dlite"
+
+    return open_engine(config, setting, in_vllm, in_dlite, log)
 
 
-def generate(config: Config, run_dir: Path, text: str, drafter: str, params: SamplingParams, raw: bool, as_json: bool, setting: str, log) -> None:
+def generate(config: Config, run_dir: Path, text: str, drafter: str, params: SamplingParams, raw: bool, as_json: bool, setting: str | None, log) -> None:
     """Decode ``text`` (a user message in the chat template, or ``raw`` as it is) and print the text, or with
     ``as_json`` one JSON object holding it and every statistic; the statistics' line goes to ``log``."""
     decoder, tokenizer, engine = decoding_engine(config, run_dir, drafter, setting, params.max_new_tokens, log)

@@ -663,23 +663,26 @@ def sse(payload: dict) -> str:
 
 
 def serve(config, run_dir, drafter: str, host: str, port: int, max_batch: int | None, max_queue: int, max_context: int | None,
-          max_tokens: int, engine: str, log) -> None:
-    """Load the target and drafter, then serve until interrupted: with ``engine`` vllm (auto: where it is installed and
-    can draft with the drafter) vLLM's OpenAI server, else dlite's own."""
+          max_tokens: int, engine: str | None, log) -> None:
+    """Load the target and drafter, then serve until interrupted: in the engine ``engine`` names (None: decode.engine;
+    auto: vLLM where it is installed and can draft with the drafter), vLLM's OpenAI server or dlite's own."""
+    from ..decoding.engines import open_engine
+
+    def in_vllm():
+        from ..vllm_engine.engine import serve_vllm
+
+        serve_vllm(config, run_dir, drafter, host, port, max_batch or config.decode.max_batch, max_queue, max_context, max_tokens, log)
+
+    open_engine(config, engine, in_vllm, lambda: serve_dlite(config, run_dir, drafter, host, port, max_batch, max_queue, max_context, max_tokens, log), log)
+
+
+def serve_dlite(config, run_dir, drafter: str, host: str, port: int, max_batch: int | None, max_queue: int, max_context: int | None,
+                max_tokens: int, log) -> None:
+    """dlite's own server (:func:`create_app`) on ``host``:``port`` until interrupted."""
     import uvicorn
 
     from ..decoding.engine import load_engine
-    from ..vllm_engine import choose_engine
 
-    if choose_engine(engine, log) == "vllm":
-        from ..vllm_engine.engine import serve_vllm
-
-        try:
-            return serve_vllm(config, run_dir, drafter, host, port, max_batch or config.decode.max_batch, max_queue, max_context, max_tokens, log)
-        except DliteError as e:
-            if engine == "vllm":
-                raise
-            log(f"{e}: serving with dlite's own engine instead")
     decoder, tokenizer = load_engine(config, run_dir, drafter, slots=max_batch, capacity=max_context, log=log, response_tokens=max_tokens)
     app = create_app(decoder, tokenizer, config.name, config.target.thinking, max_queue, max_tokens)
     handler = logging.StreamHandler()  # the server's warnings (ignored fields) and failures, with their tracebacks

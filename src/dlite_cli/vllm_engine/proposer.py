@@ -1,4 +1,4 @@
-"""DLite as a vLLM proposer: dlite's own drafter adapters (drafters.py), fed the target's hidden states vLLM captures.
+"""DLite as a vLLM proposer: dlite's own proposers (decoding/proposers/), fed the target's hidden states vLLM captures.
 
 Each engine step, for every row that sampled tokens, the pivot is the position whose logits gave the row's last
 sampled token (the anchor): the last accepted position of the step's verify pass.
@@ -31,8 +31,10 @@ import torch
 
 from ..core.config import SuffixConfig
 from ..decoding.adaptive import VerifyCosts
-from ..decoding.drafters import DLiteAdapter, HybridDrafter, copying_drafter, split_fixed, split_lookup
 from ..decoding.engine import Request, SamplingParams, SamplingPick, probabilities
+from ..decoding.methods import paired, parse_method
+from ..decoding.proposers.base import ProposerSetup
+from ..decoding.proposers.dlite import DLiteAdapter
 from ..models.model import greedy_pick
 from ..models.release import load_drafter
 
@@ -41,7 +43,7 @@ GREEDY_TEMPERATURE = 1e-5  # vLLM marks greedy rows with a temperature at or bel
 
 def drafter_directory(model: str) -> Path:
     """The checkpoint directory of a speculative ``model`` named as dlite names drafters: DIR, DIR:fixed, DIR+ngram…"""
-    return Path(split_lookup(split_fixed(model)[0])[0])
+    return Path(parse_method(model).drafter)
 
 
 def vllm_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -56,8 +58,8 @@ class DLiteProposer:
     def __init__(self, vllm_config):
         spec_config = vllm_config.speculative_config
         self.name = spec_config.model
-        base, self.adaptive = split_fixed(self.name)
-        self.pairing = split_lookup(base)[1]  # "", "ngram" or "suffix"
+        method = parse_method(self.name)
+        self.adaptive, self.pairing = method.adaptive, method.pairing  # pairing: "", "ngram" or "suffix"
         self.suffix = SuffixConfig(**{f.name: getattr(spec_config, f"suffix_decoding_{f.name}") for f in dataclasses.fields(SuffixConfig)})
         self.drafter = load_drafter(drafter_directory(self.name), vllm_config.model_config.hf_config).eval()  # checked_spec passed when vLLM built its config
         spec = self.drafter.spec
@@ -76,7 +78,7 @@ class DLiteProposer:
         self.final_norm = target_model.model.norm
         model = DLiteAdapter(self.drafter, target_model.model.embed_tokens, self.name)
         if self.pairing:
-            model = HybridDrafter(model, copying_drafter(self.pairing, model.draft_tokens, self.suffix), self.drafter.spec.vocab_size)
+            model = paired(model, self.pairing, ProposerSetup(model.draft_tokens, self.suffix))
         self.adapter = model
 
     @torch.no_grad()

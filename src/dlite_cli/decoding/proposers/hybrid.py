@@ -1,0 +1,73 @@
+"""``NAME+ngram``, ``NAME+suffix``: a history-free drafter paired with a copying proposer, row by row."""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.model import greedy_pick
+from ..adaptive import Candidate, VerifyCosts
+from .base import Draft, Proposer, for_rows, merged, one_hot_logits, widen
+from .copying import LookupDrafter
+from .model import ModelDrafter
+
+
+class HybridDrafter(Proposer):
+    """``dlite+ngram`` and ``dlite+suffix``: per row and round, the copying drafter's continuation (prompt lookup's or
+    suffix decoding's) when it is expected to commit tokens at least as fast as the model drafter's recent rounds for
+    that row did (adaptive: per ms, the model's round paying its draft and its wider verify; fixed: per round), the
+    model's block otherwise.  Copying reads the token ids the engine holds and DLite keeps no history, so the hybrid
+    holds no draft KV cache either; rows that take the copy cost the model nothing."""
+
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, vocab_size: int):
+        self.model, self.lookup, self.vocab_size = model, lookup, vocab_size
+        self.name = f"{model.name}+{lookup.name}"
+        self.draft_tokens, self.target_layers = model.draft_tokens, model.target_layers
+
+    def adapt(self, costs: VerifyCosts) -> None:
+        super().adapt(costs)
+        self.model.adapt(costs)
+        self.lookup.adapt(costs)
+
+    def propose(self, rows, pick) -> Draft:
+        B, K = len(rows), self.draft_tokens
+        tokens = torch.zeros(B, K, dtype=torch.long, device=self.model._device)
+        lengths, lookups, by_model = [0] * B, {}, []  # lookups: row → its lookup candidate; by_model: rows the model drafts
+        for b, row in enumerate(rows):
+            candidate = self.lookup.candidate(row, B)
+            if candidate.proposed and self._lookup_first(candidate, row.slot, B):
+                lookups[b] = self.lookup.proposed[row.slot] = candidate
+                tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
+                lengths[b] = candidate.proposed
+            else:
+                by_model.append(b)
+        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model), batch=B) if by_model else None
+        for i, b in enumerate(by_model):
+            lengths[b] = draft.lengths[i]
+        candidates = {**lookups, **{b: self.model.proposed[rows[b].slot] for b in by_model if rows[b].slot in self.model.proposed}}
+        widen(list(candidates.values()), max(lengths))
+        for b, candidate in candidates.items():
+            lengths[b] = candidate.proposed
+        if draft is None:
+            return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
+        return merged(tokens, lengths, by_model, draft)
+
+    def _lookup_first(self, candidate: Candidate, slot: int, batch: int = 1) -> bool:
+        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row,
+        in a round over ``batch`` rows."""
+        expected, (accepted, proposed) = self.lookup.expected_gain(candidate), self.model.gain.expected(slot)
+        if self.costs is None:
+            return expected >= accepted
+        costs = self.costs.at(batch)
+        return costs.rate(expected, candidate.proposed, 0.0) >= costs.rate(accepted, proposed, self.model.draft_ms)
+
+    def observe(self, row, accepted: int, next_token: int | None) -> None:
+        self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
+        self.model.observe(row, accepted, next_token)
+
+    def begin(self, row, prompt_features) -> None:
+        self.model.begin(row, prompt_features)
+        self.lookup.begin(row, prompt_features)
+
+    def end(self, row) -> None:
+        self.model.end(row)
+        self.lookup.end(row)
