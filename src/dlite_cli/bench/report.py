@@ -45,6 +45,12 @@ def paper_results() -> dict:
 def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
     """(workload, method) → τ, decode time per token, tokens/s, times per round, acceptance, source, and on how many
     turns the method wrote its engine's plain decoding's text (``same_text``: [turns alike, turns compared])."""
+    groups = _groups(results)
+    return {(workload, method): _summary(g, _baseline(groups, workload, method)) for (workload, method), g in groups.items()}
+
+
+def _groups(results: list[dict]) -> dict[tuple[str, str], dict]:
+    """(workload, method) → the totals of its measured turns, per episode too (``by_episode``: [decode s, tokens])."""
     plain_text = {(r["workload"], r["episode"], r["method"], i): t.get("output_sha") for r in results for i, t in enumerate(r["turns"])}
     groups: dict[tuple[str, str], dict] = {}
     for record in results:
@@ -56,49 +62,58 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict]:
         group["episodes"] += 1
         if "suffix_tree" in record:
             group["tree_responses"].append(record["suffix_tree"]["responses"])
-        episode = group["by_episode"].setdefault(record["episode"], [0.0, 0])  # [decode s, tokens]
+        episode = group["by_episode"].setdefault(record["episode"], [0.0, 0])
+        plain = parse_method(record["method"]).plain
         for index, turn in enumerate(record["turns"]):
             if "skipped" in turn:
                 continue
             episode[0] += turn["draft_s"] + turn["verify_s"] + turn["overhead_s"]
             episode[1] += turn["generated_tokens"]
-            group["rounds"] += turn["rounds"]
-            group["committed"] += turn["committed"]
-            group["prefill_s"] += turn["prefill_s"]
-            group["draft_s"] += turn["draft_s"]
-            group["verify_s"] += turn["verify_s"]
-            group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
-            plain = plain_text.get((record["workload"], record["episode"], parse_method(record["method"]).plain, index))
-            if plain and record["method"] != parse_method(record["method"]).plain:
-                group["same_text"][0] += turn.get("output_sha") == plain
+            _add_turn(group, turn)
+            plain_sha = plain_text.get((record["workload"], record["episode"], plain, index))
+            if plain_sha and record["method"] != plain:
+                group["same_text"][0] += turn.get("output_sha") == plain_sha
                 group["same_text"][1] += 1
-            for key in ("proposed", "accepted"):
-                group[key] = [a + b for a, b in zip(group[key], turn[key])] if group[key] else list(turn[key])
     for g in groups.values():  # the workload's totals are its episodes'
         g["decode_s"], g["tokens"] = (sum(column) for column in zip(*g["by_episode"].values()))
-    out = {}
-    for (workload, method), g in groups.items():
-        per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
-        # the baseline is the fastest plain decoding measured in the method's engine (ar, or ar:fastest where the methods'
-        # passes are padded; vllm:ar for a method run in vLLM)
-        engine_plain = (parse_method(method).plain,) if parse_method(method).in_vllm else ("ar", "ar:fastest")
-        plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
-        baseline = min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
-        ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
-        out[workload, method] = {
-            "tau": g["committed"] / g["rounds"] if g["rounds"] else None,
-            "speedup": ar_per_token / per_token if ar_per_token and per_token else None,
-            "speedup_interval": speedup_interval(baseline["by_episode"], g["by_episode"]) if baseline else None,
-            "tokens_per_s": g["tokens"] / g["decode_s"] if g["decode_s"] else None,
-            "draft_ms_per_round": 1000 * g["draft_s"] / g["rounds"] if g["rounds"] else None,
-            "verify_ms_per_round": 1000 * g["verify_s"] / g["rounds"] if g["rounds"] else None,
-            "prefill_s": g["prefill_s"],
-            "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
-            "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
-            "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"], "origin": g["origin"],
-            "draft_kv_bytes": g["draft_kv_bytes"], "tree_responses": g["tree_responses"], "same_text": g["same_text"],
-        }
-    return out
+    return groups
+
+
+def _add_turn(group: dict, turn: dict) -> None:
+    """A measured turn's counts and times added to its group's."""
+    for key in ("rounds", "committed", "prefill_s", "draft_s", "verify_s"):
+        group[key] += turn[key]
+    group["draft_kv_bytes"] = max(group["draft_kv_bytes"], turn["draft_kv_bytes"])
+    for key in ("proposed", "accepted"):
+        group[key] = [a + b for a, b in zip(group[key], turn[key])] if group[key] else list(turn[key])
+
+
+def _baseline(groups: dict[tuple[str, str], dict], workload: str, method: str) -> dict | None:
+    """The fastest plain decoding measured on ``workload`` in the method's engine: ar, or ar:fastest where the methods'
+    passes are padded; vllm:ar for a method run in vLLM.  None where none was."""
+    parsed = parse_method(method)
+    engine_plain = (parsed.plain,) if parsed.in_vllm else ("ar", "ar:fastest")
+    plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
+    return min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
+
+
+def _summary(g: dict, baseline: dict | None) -> dict:
+    """A group's totals (:func:`_groups`) → its row of statistics, its speedup against ``baseline``'s."""
+    per_token = g["decode_s"] / g["tokens"] if g["tokens"] else None
+    ar_per_token = baseline["decode_s"] / baseline["tokens"] if baseline else None
+    return {
+        "tau": g["committed"] / g["rounds"] if g["rounds"] else None,
+        "speedup": ar_per_token / per_token if ar_per_token and per_token else None,
+        "speedup_interval": speedup_interval(baseline["by_episode"], g["by_episode"]) if baseline else None,
+        "tokens_per_s": g["tokens"] / g["decode_s"] if g["decode_s"] else None,
+        "draft_ms_per_round": 1000 * g["draft_s"] / g["rounds"] if g["rounds"] else None,
+        "verify_ms_per_round": 1000 * g["verify_s"] / g["rounds"] if g["rounds"] else None,
+        "prefill_s": g["prefill_s"],
+        "acceptance": [a / p if p else None for a, p in zip(g["accepted"] or [], g["proposed"] or [])],
+        "proposed_per_round": sum(g["proposed"] or []) / g["rounds"] if g["rounds"] else None,
+        "tokens": g["tokens"], "episodes": g["episodes"], "source": g["source"], "drafter": g["drafter"], "origin": g["origin"],
+        "draft_kv_bytes": g["draft_kv_bytes"], "tree_responses": g["tree_responses"], "same_text": g["same_text"],
+    }
 
 
 def speedup_interval(plain: dict, method: dict, level: float = 0.9) -> tuple[float, float] | None:
@@ -177,55 +192,74 @@ def _cell(value: float | None, digits: int = 2, source: str = "") -> str:
 ROW_KEYS = ["target", "method", "engine", "drafter", "origin", "hardware"]  # origin: release, or the stage that trained the checkpoint
 
 
+SUITE_TABLES = [  # (name, title, suite, metrics); the paper's numbers are under the same name in paper_results.yaml
+    ("table1_general_tau", "Table 1: acceptance length τ on general workloads", "general", ("tau",)),
+    ("table2_longbench_v2", "Table 2: speedup and τ on LongBench v2", "long", ("speedup", "tau")),
+    ("table3_agentic", "Table 3: speedup and τ on agentic workloads", "agentic", ("speedup", "tau")),
+]
+SPEEDUP_NOTE = ("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side in the "
+                "method's engine: vllm:ar for vLLM's methods; in dlite's, the faster of ar and ar:fastest (one token a pass, where "
+                "the methods share wider passes)")
+
+
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
-    stats = aggregate(results)
+    """Tables 1-3 (a suite's workloads, a column per workload and metric) and Table 4 (throughput), each with the
+    paper's published rows."""
+    stats, paper = aggregate(results), paper_results()
     methods = list(dict.fromkeys(r["method"] for r in results))
-    paper = paper_results()
-    setup = paper.get("setup", {})
-    paper_hardware = f"{setup.get('hardware', '?')} ({setup.get('engine', '?')})"
-    tables = []
-    specs = [
-        ("table1_general_tau", "Table 1: acceptance length τ on general workloads", "general", ("tau",), "table1_general_tau"),
-        ("table2_longbench_v2", "Table 2: speedup and τ on LongBench v2", "long", ("speedup", "tau"), "table2_longbench_v2"),
-        ("table3_agentic", "Table 3: speedup and τ on agentic workloads", "agentic", ("speedup", "tau"), "table3_agentic"),
-    ]
-    for name, title, suite, metrics, paper_key in specs:
-        published = paper.get(paper_key, {})
-        paper_workloads = published.get("workloads", [])  # the paper's columns first, then the suite's others
-        workloads = paper_workloads + [w.name for w in BY_NAME.values() if w.suite == suite and w.name not in paper_workloads]
-        columns = ROW_KEYS + [f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip() for w in workloads for m in metrics]
-        table = Table(name, title, columns)
-        for method in methods:
-            row = {"target": target, "method": method, "engine": parse_method(method).engine, "drafter": _of(stats, method, "drafter"),
-                   "origin": _of(stats, method, "origin"), "hardware": hardware}
-            for w in workloads:
-                cell = stats.get((w, method))
-                for m in metrics:
-                    column = f"{BY_NAME[w].title} {m if len(metrics) > 1 else ''}".strip()
-                    row[column] = _cell(cell and cell[m], source=cell["source"] if cell else "")
-            table.rows.append(row)
-        for metric in metrics:
-            for model, by_method in (published.get(metric) or {}).items():
-                for paper_method, values in by_method.items():
-                    row = next((r for r in table.rows if r.get("_paper") == (model, paper_method)), None)
-                    if row is None:
-                        row = {"target": f"{model} (paper)", "method": paper_method, "engine": setup.get("engine", ""), "drafter": "published",
-                               "origin": "paper", "hardware": paper_hardware, "_paper": (model, paper_method)}
-                        table.rows.append(row)
-                    for w, value in zip(paper_workloads, values):
-                        row[f"{BY_NAME[w].title} {metric if len(metrics) > 1 else ''}".strip()] = _cell(value)
-        for row in table.rows:
-            row.pop("_paper", None)
+    tables = [suite_table(spec, stats, methods, unavailable, target, hardware, paper) for spec in SUITE_TABLES]
+    return tables + [throughput_table(throughput, stats, target, hardware, paper)]
+
+
+def column(workload: str, metric: str, metrics: tuple[str, ...]) -> str:
+    """A suite table's column: the workload's title, and the metric where the table has more than one."""
+    return f"{BY_NAME[workload].title} {metric if len(metrics) > 1 else ''}".strip()
+
+
+def suite_table(spec: tuple, stats: dict, methods: list[str], unavailable: dict, target: str, hardware: str, paper: dict) -> Table:
+    """One of Tables 1-3: a row per method, then the paper's rows; notes on where each workload's data came from."""
+    name, title, suite, metrics = spec
+    published = paper.get(name, {})
+    paper_workloads = published.get("workloads", [])  # the paper's columns first, then the suite's others
+    workloads = paper_workloads + [w.name for w in BY_NAME.values() if w.suite == suite and w.name not in paper_workloads]
+    table = Table(name, title, ROW_KEYS + [column(w, m, metrics) for w in workloads for m in metrics])
+    for method in methods:
+        row = {"target": target, "method": method, "engine": parse_method(method).engine, "drafter": _of(stats, method, "drafter"),
+               "origin": _of(stats, method, "origin"), "hardware": hardware}
         for w in workloads:
-            if w in unavailable.get("workloads", {}):
-                table.notes.append(f"{BY_NAME[w].title}: not measured — {unavailable['workloads'][w]}")
-            elif any((w, m) in stats for m in methods):  # where every measured workload's data came from
-                table.notes.append(f"{BY_NAME[w].title}: {next(stats[w, m]['source'] for m in methods if (w, m) in stats)}")
-        table.notes += [f"method {m}: not run — {reason}" for m, reason in unavailable.get("methods", {}).items()]
-        table.notes.append("speedup = autoregressive decode time per token / the method's (prefill excluded), measured side by side in the "
-                           "method's engine: vllm:ar for vLLM's methods; in dlite's, the faster of ar and ar:fastest (one token a pass, where "
-                           "the methods share wider passes)")
-        tables.append(table)
+            cell = stats.get((w, method))
+            for m in metrics:
+                row[column(w, m, metrics)] = _cell(cell and cell[m], source=cell["source"] if cell else "")
+        table.rows.append(row)
+    table.rows += paper_rows(published, metrics, paper_workloads, paper.get("setup", {}))
+    for w in workloads:
+        if w in unavailable.get("workloads", {}):
+            table.notes.append(f"{BY_NAME[w].title}: not measured — {unavailable['workloads'][w]}")
+        elif any((w, m) in stats for m in methods):  # where every measured workload's data came from
+            table.notes.append(f"{BY_NAME[w].title}: {next(stats[w, m]['source'] for m in methods if (w, m) in stats)}")
+    table.notes += [f"method {m}: not run — {reason}" for m, reason in unavailable.get("methods", {}).items()] + [SPEEDUP_NOTE]
+    return table
+
+
+def paper_rows(published: dict, metrics: tuple[str, ...], workloads: list[str], setup: dict) -> list[dict]:
+    """A suite table's published rows: one per (model, method) of the paper, its ``metrics`` in ``workloads``' columns."""
+    rows: dict[tuple[str, str], dict] = {}
+    for metric in metrics:
+        for model, by_method in (published.get(metric) or {}).items():
+            for method, values in by_method.items():
+                row = rows.setdefault((model, method), {"target": f"{model} (paper)", "method": method, "engine": setup.get("engine", ""),
+                                                        "drafter": "published", "origin": "paper", "hardware": paper_hardware(setup)})
+                for w, value in zip(workloads, values):
+                    row[column(w, metric, metrics)] = _cell(value)
+    return list(rows.values())
+
+
+def paper_hardware(setup: dict) -> str:
+    return f"{setup.get('hardware', '?')} ({setup.get('engine', '?')})"
+
+
+def throughput_table(throughput: list[dict], stats: dict, target: str, hardware: str, paper: dict) -> Table:
+    """Table 4: each method's tokens/s at each concurrency, its speedup against its engine's plain decoding; the paper's rows."""
     table = Table("table4_throughput", "Table 4: throughput vs concurrency", ROW_KEYS + ["workload", "concurrency", "tokens/s", "speedup"])
     plain = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in throughput if r["method"] in ("ar", "vllm:ar")}
     for r in throughput:
@@ -235,18 +269,18 @@ def build_tables(results: list[dict], throughput: list[dict], unavailable: dict,
                            "origin": _of(stats, r["method"], "origin"), "hardware": hardware,
                            "workload": BY_NAME[r["workload"]].title, "concurrency": r["concurrency"],
                            "tokens/s": _cell(r["tokens_per_s"], 1), "speedup": _cell(speedup)})
+    setup = paper.get("setup", {})
     for model, by_workload in (paper.get("table4_throughput") or {}).items():
         for workload, by_method in by_workload.items():
             for paper_method, levels in by_method.items():
                 for level, cell in levels.items():
                     table.rows.append({"target": f"{model} (paper)", "method": paper_method, "engine": setup.get("engine", ""), "drafter": "published",
-                                       "origin": "paper", "hardware": paper_hardware,
+                                       "origin": "paper", "hardware": paper_hardware(setup),
                                        "workload": BY_NAME[workload].title, "concurrency": level,
                                        "tokens/s": _cell(cell.get("tps"), 0), "speedup": _cell(cell.get("speedup"))})
     table.notes.append("tokens/s over the whole batch, prefill included; every slot serves two requests; speedup against plain decoding "
                        "in the method's engine")
-    tables.append(table)
-    return tables
+    return table
 
 
 def _of(stats: dict, method: str, key: str) -> str:
