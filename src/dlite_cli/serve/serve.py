@@ -544,12 +544,12 @@ class Server:
     def engine_request(self, body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int) -> Request:
         room = self.engine.room(len(prompt_ids))
         if room < 1:
-            raise ApiError(400, f"this model's maximum context is {self.engine.runner.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
+            raise ApiError(400, f"this model's maximum context is {self.engine.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
         if requested is None:
             requested = min(default_max, room)
         if not 1 <= requested <= room:
             raise ApiError(400, f"max_tokens must be between 1 and {room} for this prompt of {len(prompt_ids)} tokens "
-                                f"(context {self.engine.runner.capacity}), got {requested}", param="max_tokens")
+                                f"(context {self.engine.capacity}), got {requested}", param="max_tokens")
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop must be at most 4 non-empty strings", param="stop")
@@ -723,7 +723,7 @@ def serve_dlite(config, run_dir, drafter: str, host: str, port: int, max_batch: 
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    log(f"serving {config.name} with drafter {drafter} ({len(decoder.free)} slots, context {decoder.runner.capacity}, "
+    log(f"serving {config.name} with drafter {drafter} ({len(decoder.free)} slots, context {decoder.capacity}, "
         f"{decoder.runner.path} decoding on {decoder.runner.device}) "
         f"on http://{host}:{port}/v1")
     uvicorn.run(app, host=host, port=port, log_level="warning")
