@@ -227,6 +227,29 @@ def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tens
 # ---------------------------------------------------------------- the engine
 
 
+class RoundClock:
+    """A round's seconds on the device-synchronised clock (now()), by step: ``draft`` (proposing and the drafter's KV
+    upkeep), ``verify`` and ``overhead`` (accepting, emitting).  A CUDA graph captured in a lap (CAPTURES) is not the
+    round's work: it is taken out of the lap and counted in ``captured``."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.time = device, now(device)
+        self.captures_at_start = self.captures = CAPTURES.seconds
+        self.draft = self.verify = self.overhead = 0.0
+
+    def lap(self) -> float:
+        """Seconds since the last lap (or the start), less the graphs captured in between."""
+        time, captures = now(self.device), CAPTURES.seconds
+        seconds = time - self.time - (captures - self.captures)
+        self.time, self.captures = time, captures
+        return seconds
+
+    @property
+    def captured(self) -> float:
+        """Seconds of graph captures since the start."""
+        return self.captures - self.captures_at_start
+
+
 class Engine(DecodingEngine):
     """Continuous batching over a TargetRunner's slots with one proposer (proposers/)."""
 
@@ -358,61 +381,95 @@ class Engine(DecodingEngine):
             self._emit(request, [first])
 
     def _round(self, rows: list[Request]) -> list[Request]:
-        device = self.runner.device
-        t0, c0 = now(device), CAPTURES.seconds
+        """One speculative round for the B active rows (the module docstring), counted in the stats → rows."""
+        clock = RoundClock(self.runner.device)
+        draft, tokens = self._draft(rows)
+        clock.draft = clock.lap()
+        verified = self._verify(rows, tokens, clock)
+        outcomes = self._accept(rows, draft, tokens, verified)
+        upkeep = self._advance(rows, outcomes, verified)
+        clock.overhead = clock.lap() - upkeep
+        clock.draft += upkeep  # draft-KV upkeep is draft time
+        self._account(rows, draft.lengths, outcomes, clock)
+        return rows
+
+    def _draft(self, rows: list[Request]):
+        """The drafter's proposals for the B rows (proposers.base.Draft), and tokens (B, 1 + width) to verify: each row's
+        anchor, then its drafts, padded to the longest (the static path pads the pass to its fixed width anyway)."""
         draft = self.drafter.propose(rows, self._picker(rows))
-        width = max(draft.lengths)  # the static path pads the pass to its fixed width
-        anchors = torch.tensor([[row.anchor] for row in rows], device=device)
-        tokens = torch.cat([anchors, draft.tokens[:, :width].to(device)], dim=1)  # (B, 1 + width)
-        t1, c1 = now(device), CAPTURES.seconds
-        logits, features, index = self.runner.verify([row.slot for row in rows], tokens)
-        t2, c2 = now(device), CAPTURES.seconds
-        draft_seconds, verify_seconds = t1 - t0 - (c1 - c0), t2 - t1 - (c2 - c1)  # a graph's capture is not the round's work
-        if self.drafter.costs is not None:  # what a pass of this width over these rows costs at their contexts
-            self.drafter.costs.at(len(rows)).observe(tokens.shape[1], 1000 * verify_seconds)
-        greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], torch.tensor(draft.lengths, device=device))
+        width = max(draft.lengths)
+        anchors = torch.tensor([[row.anchor] for row in rows], device=self.runner.device)
+        return draft, torch.cat([anchors, draft.tokens[:, :width].to(self.runner.device)], dim=1)
+
+    def _verify(self, rows: list[Request], tokens: torch.Tensor, clock: RoundClock):
+        """The target's batched pass over tokens (B, 1 + width) → logits (B', 1 + width, V), features
+        (B', 1 + width, S, H) and index (B,): row b's outputs are row index[b] (runner.verify).  Its seconds go to
+        ``clock.verify`` and, for an adaptive drafter, to what a pass of this width over these rows costs at their
+        contexts."""
+        verified = self.runner.verify([row.slot for row in rows], tokens)
+        clock.verify = clock.lap()
+        if self.drafter.costs is not None:
+            self.drafter.costs.at(len(rows)).observe(tokens.shape[1], 1000 * clock.verify)
+        return verified
+
+    def _accept(self, rows: list[Request], draft, tokens: torch.Tensor, verified) -> list[tuple[int, list[int]]]:
+        """Each row's accepted drafts n and the tokens it emits (those n drafts, then the target's next token), from
+        tokens (B, 1 + width) and the verify pass: greedy rows all at once, sampled rows by rejection sampling.  The
+        drafter observes each outcome and the runner commits each row's anchor and accepted drafts."""
+        logits, _, index = verified
+        lengths = torch.tensor(draft.lengths, device=self.runner.device)
+        greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], lengths)
         # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
         read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
-        outcomes = []  # (accepted n, next token) per row
+        outcomes = []
         for b, row in enumerate(rows):
             n, next_token = read[b][0], read[b][1]
             if not row.params.greedy:
                 L = draft.lengths[b]
                 draft_logits = draft.logits[b, :L] if draft.logits is not None else None
                 n, next_token = accept_sampled(logits[index[b], : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
-            outcomes.append((n, next_token))
+            outcomes.append((n, read[b][3 : 3 + n] + [next_token]))
             self.drafter.observe(row, n, next_token if row.params.greedy else None)
             self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
-            for stats in (row.stats, self.stats):
-                stats.rounds += 1
-                stats.committed += n + 1
-                for i in range(draft.lengths[b]):
-                    stats.proposed[i] += 1
-                    stats.accepted[i] += i < n
-        accepted = torch.tensor([n for n, _ in outcomes], device=device)
+        return outcomes
+
+    def _advance(self, rows: list[Request], outcomes: list[tuple[int, list[int]]], verified) -> float:
+        """Move each row past its accepted tokens: the drafter's history extended (if it keeps all features), the
+        target's state at its last accepted position its new pivot, its tokens emitted.  → the drafter's seconds."""
+        _, features, index = verified
+        accepted = torch.tensor([n for n, _ in outcomes], device=self.runner.device)
         pivots = features[index, accepted]  # (B, S, H): the target's states at each row's last accepted position
-        extend_seconds = 0.0
-        for b, (row, (n, next_token)) in enumerate(zip(rows, outcomes)):
+        upkeep = 0.0
+        for b, (row, (n, tokens)) in enumerate(zip(rows, outcomes)):
             if self.drafter.needs_all_features:  # the old pivot, the anchor and all accepted drafts but the last are history now
-                start = now(device)
+                start = now(self.runner.device)
                 self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], :n]]))
-                extend_seconds += now(device) - start  # draft-KV upkeep is draft time, on the same synchronised clock
+                upkeep += now(self.runner.device) - start  # on the round's synchronised clock
             row.pivot = pivots[b]
-            self._emit(row, read[b][3 : 3 + n] + [next_token])
-        t3 = now(device)
+            self._emit(row, tokens)
+        return upkeep
+
+    def _account(self, rows: list[Request], lengths: list[int], outcomes: list[tuple[int, list[int]]], clock: RoundClock) -> None:
+        """Count the round in each row's stats and the engine's: drafts proposed and accepted per position (lengths
+        (B,)), tokens committed, the drafter's KV bytes (at their peak) and the round's seconds."""
         draft_kv = 0
-        for row in rows:
+        for row, length, (n, _) in zip(rows, lengths, outcomes):
             kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0
             row.stats.draft_kv_bytes = max(row.stats.draft_kv_bytes, kv)
             draft_kv += kv
+            for stats in (row.stats, self.stats):
+                stats.rounds += 1
+                stats.committed += n + 1
+                for i in range(length):
+                    stats.proposed[i] += 1
+                    stats.accepted[i] += i < n
         self.stats.draft_kv_bytes = max(self.stats.draft_kv_bytes, draft_kv)
         for stats in [row.stats for row in rows] + [self.stats]:
             stats.steps += 1
-            stats.draft_seconds += draft_seconds + extend_seconds
-            stats.verify_seconds += verify_seconds
-            stats.overhead_seconds += t3 - t2 - extend_seconds
-            stats.capture_seconds += c2 - c0
-        return rows
+            stats.draft_seconds += clock.draft
+            stats.verify_seconds += clock.verify
+            stats.overhead_seconds += clock.overhead
+            stats.capture_seconds += clock.captured
 
     def _picker(self, rows: list[Request]):
         """How the drafter chooses each proposal: argmax if every row is greedy, else a :class:`SamplingPick`."""
