@@ -26,9 +26,9 @@ def test_the_grammar_reads_engine_drafter_pairing_and_fixed(tmp_path):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nosuch", "unknown method 'nosuch'"),
-    ("dlite:nosuch", "unknown method 'dlite:nosuch'"),
-    ("vllm:/no/such/dir", "unknown method 'vllm:/no/such/dir'"),
+    ("nosuch", "unknown drafter 'nosuch': expected"),
+    ("dlite:nosuch", "unknown drafter 'dlite:nosuch': expected"),
+    ("vllm:/no/such/dir+ngram", "unknown drafter '/no/such/dir' in 'vllm:/no/such/dir+ngram': expected"),
     ("ngram+suffix", "ngram+suffix: +suffix pairs a drafter checkpoint"),
 ])
 def test_a_name_the_grammar_does_not_know_is_one_sentence(name, message):
@@ -41,7 +41,7 @@ def test_an_unknown_method_stops_the_bench_with_exit_2_before_anything_loads(run
     for methods in ("ar,nosuch", "dlite:nosuch"):
         done = run_cli("bench", "--target", "micro", "--methods", methods, "--limit", "1", check=False)
         assert done.returncode == 2 and "Traceback" not in done.stderr
-        assert done.stderr.strip().splitlines() == [f"error: unknown method {methods.split(',')[-1]!r}: expected [vllm:]DRAFTER[+ngram|+suffix][:fixed] "
+        assert done.stderr.strip().splitlines() == [f"error: unknown drafter {methods.split(',')[-1]!r}: expected [vllm:]DRAFTER[+ngram|+suffix][:fixed] "
                                                    "with DRAFTER one of none, ngram, suffix, dlite, history, parallel, scratch, a drafter "
                                                    "directory or a hub id (or ar for plain decoding)"]
 
@@ -77,6 +77,6 @@ def test_a_new_proposer_is_its_class_and_one_registry_line(cache_dir, monkeypatc
             assert isinstance(engine.drafter, RepeatProposer) and engine.draft_tokens == config.drafter.draft_tokens
             assert engine.stats.proposed[0] == engine.stats.rounds > 0  # it proposed every round
     assert outputs["repeat"] == outputs["repeat:fixed"] == outputs["none"]  # the target's own text
-    with pytest.raises(DliteError, match="unknown method 'repeat'"):
+    with pytest.raises(DliteError, match="unknown drafter 'repeat'"):
         monkeypatch.delitem(PROPOSERS, "repeat")
         known_method("repeat")

@@ -115,7 +115,8 @@ def known_method(name: str) -> Method:
     method = parse_method(name)
     if method.has_checkpoint and not is_checkpoint_name(method.drafter):
         words = ", ".join([*PROPOSERS, *STAGE_OF])
-        raise DliteError(f"unknown method {name!r}: expected [vllm:]DRAFTER[+{'|+'.join(pairings())}][:fixed] with DRAFTER one of "
+        where = "" if method.drafter == name else f" in {name!r}"
+        raise DliteError(f"unknown drafter {method.drafter!r}{where}: expected [vllm:]DRAFTER[+{'|+'.join(pairings())}][:fixed] with DRAFTER one of "
                          f"{words}, a drafter directory or a hub id (or ar for plain decoding)")
     if method.pairing and not method.has_checkpoint:
         raise DliteError(f"{name}: +{method.pairing} pairs a drafter checkpoint ({', '.join(STAGE_OF)}, a directory or a hub id), not {method.drafter}")
