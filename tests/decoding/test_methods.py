@@ -8,7 +8,7 @@ import torch
 from dlite_cli.core.config import load_config
 from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding.engine import Request, SamplingParams, load_engine
-from dlite_cli.decoding.methods import PROPOSERS, Method, known_method, parse_method
+from dlite_cli.decoding.methods import PROPOSERS, Method, known_drafter, known_method, parse_method
 from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
 
 
@@ -35,6 +35,12 @@ def test_a_name_the_grammar_does_not_know_is_one_sentence(name, message):
     with pytest.raises(DliteError, match=re.escape(message)) as error:
         known_method(name)
     assert "\n" not in str(error.value)
+
+
+def test_a_drafter_option_takes_no_engine():
+    assert known_drafter("dlite+suffix:fixed").drafter == "dlite"
+    with pytest.raises(DliteError, match="--drafter vllm:dlite: vllm: names an engine in the bench's methods; here pass --engine vllm --drafter dlite"):
+        known_drafter("vllm:dlite")
 
 
 def test_an_unknown_method_stops_the_bench_with_exit_2_before_anything_loads(run_cli):

@@ -42,7 +42,7 @@ from ..core.devices import hardware, resolve_device
 from ..core.errors import DliteError
 from ..core.progress import progress_bar
 from ..data.workloads import Episode, Unavailable, episode_key, load, select
-from ..decoding.methods import checkpoint_of, parse_method
+from ..decoding.methods import checkpoint_of, known_method, parse_method
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_target_config, load_tokenizer, prepare_target
 from .bench import append_line, read_lines
@@ -210,7 +210,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
 
     sessions = agent_sessions(plan.sessions, plan.turns, fits)
     # an unknown or missing drafter is refused before any server starts
-    drafters = {m: None if plan.url else checkpoint_of(parse_method(m), run_dir) for m in plan.methods}
+    drafters = {m: None if plan.url else checkpoint_of(known_method(m), run_dir) for m in plan.methods}
     stage = Stage(run_dir, "sessions")
     recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
     stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)

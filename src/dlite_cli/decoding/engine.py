@@ -550,9 +550,9 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     from ..core.devices import resolve_device
     from ..models.targets import Work, load_target, target_config
     from .decoding_plan import engine_context
-    from .methods import checkpoint_of, known_method, load_proposer
+    from .methods import checkpoint_of, known_drafter, load_proposer
 
-    decode, method = config.decode, known_method(drafter)
+    decode, method = config.decode, known_drafter(drafter)
     capacity = engine_context(config, target_config(config, log), method, slots or decode.max_batch, capacity,
                               resolve_device(config.target.device), log, response_tokens)
     checkpoint_of(method, run_dir)  # a drafter whose stage has not run is refused before the target loads

@@ -123,6 +123,14 @@ def known_method(name: str) -> Method:
     return method
 
 
+def known_drafter(name: str) -> Method:
+    """``--drafter``'s ``name`` (generate, serve), checked as :func:`known_method` does; ``vllm:`` is the bench's, refused."""
+    method = known_method(name)
+    if method.in_vllm:
+        raise DliteError(f"--drafter {name}: {VLLM_PREFIX} names an engine in the bench's methods; here pass --engine vllm --drafter {method.local}")
+    return method
+
+
 def checkpoint_of(method: Method, run_dir: Path) -> Path | None:
     """The checkpoint directory ``method`` drafts with, or None for a proposer that loads none."""
     return resolve_drafter_path(method.drafter, run_dir) if method.has_checkpoint else None

@@ -25,7 +25,7 @@ from ..core.files import atomic_write_text, cache_dir
 from ..decoding.checkpoints import resolve_drafter_path
 from ..decoding.engine import Request, Stats
 from ..decoding.engines import VLLM_INSTALL, DecodingEngine
-from ..decoding.methods import FIXED, Method, known_method, pairings
+from ..decoding.methods import FIXED, Method, known_drafter, pairings
 from ..decoding.proposers.suffix import suffix_cache_class
 from . import check_version, checked_spec, is_dlite_drafter
 
@@ -194,7 +194,7 @@ def load_vllm_engine(config, run_dir: Path, drafter: str, log=print) -> VllmEngi
     from ..models.targets import load_target_config, prepare_target
 
     prepared = prepare_target(config.target, log)
-    _, spec = resolve(known_method(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
+    _, spec = resolve(known_drafter(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     return VllmEngine(prepared.path, spec, config.vllm, decoding_dtype(config, log), log)
 
 
@@ -205,7 +205,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
 
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)
-    directory, spec = resolve(known_method(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
+    directory, spec = resolve(known_drafter(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
                       max_context, max_tokens, tools_template(prepared))
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
