@@ -75,7 +75,7 @@ def _groups(results: list[dict]) -> dict[tuple[str, str], dict]:
                 group["same_text"][0] += turn.get("output_sha") == plain_sha
                 group["same_text"][1] += 1
     for g in groups.values():  # the workload's totals are its episodes'
-        g["decode_s"], g["tokens"] = (sum(column) for column in zip(*g["by_episode"].values()))
+        g["decode_s"], g["tokens"] = (sum(values) for values in zip(*g["by_episode"].values()))
     return groups
 
 
