@@ -47,9 +47,9 @@ def test_an_unknown_method_stops_the_bench_with_exit_2_before_anything_loads(run
     for methods in ("ar,nosuch", "dlite:nosuch"):
         done = run_cli("bench", "--target", "micro", "--methods", methods, "--limit", "1", check=False)
         assert done.returncode == 2 and "Traceback" not in done.stderr
-        assert done.stderr.strip().splitlines() == [f"error: unknown drafter {methods.split(',')[-1]!r}: expected [vllm:]DRAFTER[+ngram|+suffix][:fixed] "
-                                                   "with DRAFTER one of none, ngram, suffix, dlite, history, parallel, scratch, a drafter "
-                                                   "directory or a hub id (or ar for plain decoding)"]
+        expected = (f"error: unknown drafter {methods.split(',')[-1]!r}: expected [vllm:]DRAFTER[+ngram|+suffix][:fixed] with DRAFTER one "
+                    "of none, ngram, suffix, dlite, history, parallel, scratch, a drafter directory or a hub id (or ar for plain decoding)")
+        assert done.stderr.strip().splitlines() == [expected]  # nothing loaded first: no other line
 
 
 class RepeatProposer(Proposer):
