@@ -15,12 +15,13 @@ import torch
 from conftest import DEVICE, cli
 
 from dlite_cli.core.config import DrafterConfig, TargetConfig
+from dlite_cli.data.workloads import BY_NAME
 from dlite_cli.models.model import Drafter, DrafterSpec
 from dlite_cli.models.runner import decode_path
 from dlite_cli.models.targets import load_model, prepare_target
 
 BENCH = ["bench", "--target", "micro", "--limit", "1", "--max-new-tokens", "6", "--concurrency", "1,2"]
-TABLES = ("table1_general_tau", "table2_longbench_v2", "table3_agentic", "table4_throughput")
+TABLES = ("table1_general_tau", "table2_longbench_v2", "table3_agentic", "table4_throughput", "tau_by_context")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_every_table_in_every_format_and_the_plots(bench_dir):
     for table in TABLES + ("details",):
         for ext in ("md", "csv", "json", "tex"):
             assert (bench_dir / f"{table}.{ext}").stat().st_size > 0
-    for plot in ("tau_vs_context.png", "throughput_vs_concurrency.png", "acceptance_by_position.png"):
+    for plot in ("tau_vs_context.png", "tau_vs_context_agentic.png", "throughput_vs_concurrency.png", "acceptance_by_position.png"):
         assert (bench_dir / plot).read_bytes()[:4] == b"\x89PNG"
     summary = (bench_dir / "summary.md").read_text()
     assert all(f"({t}.md)" in summary for t in TABLES)
@@ -72,6 +73,22 @@ def test_tables_have_the_papers_columns_and_rows_beside_ours(bench_dir):
     assert "ToolTalk: nvidia-tooltalk 26.3 wheel" in notes and "SWE-Bench: synthetic" in notes  # every measured workload's source
     table4 = json.loads((bench_dir / "table4_throughput.json").read_text())
     assert {(r["method"], r["concurrency"]) for r in table4["rows"] if r["target"] == "micro"} == {(m, c) for m in ("ar", "ngram", "mydrafter") for c in (1, 2)}
+
+
+def test_tau_against_context_is_binned_within_each_agentic_workload(bench_dir):
+    """Each agentic workload's turns apart, per drafting method: the bins add up to the method's turns there."""
+    table = json.loads((bench_dir / "tau_by_context.json").read_text())
+    rows = table["rows"]
+    assert {r["method"] for r in rows} == {"ngram", "mydrafter"}  # plain decoding left out
+    assert "ToolTalk" in {r["workload"] for r in rows} <= {w.title for w in BY_NAME.values() if w.suite == "agentic"}
+    results = [r for r in lines(bench_dir / "results.jsonl") if r["workload"] == "tooltalk" and r["method"] == "mydrafter"]
+    turns = [t for r in results for t in r["turns"] if "skipped" not in t and t["rounds"]]
+    mine = [r for r in rows if r["workload"] == "ToolTalk" and r["method"] == "mydrafter"]
+    assert sum(r["turns"] for r in mine) == len(turns) and sum(r["rounds"] for r in mine) == sum(t["rounds"] for t in turns)
+    for row in mine:  # each bin holds the turns whose prompt falls in it
+        lower, upper = (int(x) for x in row["context tokens"].split("–"))
+        assert row["turns"] == sum(lower <= t["context_tokens"] <= upper for t in turns) and (lower - 1) * 2 in (0, upper)
+    assert all(0 <= float(r["first-position acceptance"] or 0) <= 1 and float(r["tau"]) >= 1 for r in rows)
 
 
 def test_methods_see_the_same_episodes_and_write_the_same_greedy_text(bench_dir):

@@ -4,12 +4,13 @@
     table2_longbench_v2     speedup and τ on the LongBench v2 subsets
     table3_agentic          speedup and τ on the agentic workloads
     table4_throughput       tokens/s and speedup vs autoregressive at each concurrency
+    tau_by_context          τ and first-position acceptance against context, within each agentic workload
 
 Each is written as Markdown, CSV, JSON and LaTeX into the plan's folder (bench.py), through pandas.  Every row names its
 target, method, drafter checkpoint and hardware; the paper's rows come from
 ``configs/paper_results.yaml`` and a cell it does not publish stays empty.  A value measured on a
-synthetic stand-in is marked ``(synthetic)``.  Plots: τ vs context length, throughput vs
-concurrency, acceptance by draft position; ``summary.md`` links it all.
+synthetic stand-in is marked ``(synthetic)``.  Plots: τ vs context length (all workloads pooled, and within each
+agentic workload), throughput vs concurrency, acceptance by draft position; ``summary.md`` links it all.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..decoding.methods import parse_method
 
 PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
 CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-PLOTS = ("tau_vs_context.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
+PLOTS = ("tau_vs_context.png", "tau_vs_context_agentic.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
 RESAMPLES = 2000  # bootstrap resamples of a workload's episodes behind a speedup's interval
 
 
@@ -134,6 +135,11 @@ def speedup_interval(plain: dict, method: dict, level: float = 0.9) -> tuple[flo
     return ratios[int(tail * len(ratios))], ratios[min(int((1 - tail) * len(ratios)), len(ratios) - 1)]
 
 
+def context_bin(tokens: int) -> int:
+    """The upper bound of the CONTEXT_BINS bin a context of ``tokens`` falls in (the last bin holds any longer)."""
+    return next((b for b in CONTEXT_BINS if tokens <= b), CONTEXT_BINS[-1])
+
+
 def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """method → [(context bin upper bound, τ of the turns whose context falls in it)]."""
     bins: dict[str, dict[int, list[int]]] = {}
@@ -141,11 +147,31 @@ def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
         for turn in record["turns"]:
             if "skipped" in turn or not turn["rounds"]:
                 continue
-            bound = next((b for b in CONTEXT_BINS if turn["context_tokens"] <= b), CONTEXT_BINS[-1])
-            cell = bins.setdefault(record["method"], {}).setdefault(bound, [0, 0])
+            cell = bins.setdefault(record["method"], {}).setdefault(context_bin(turn["context_tokens"]), [0, 0])
             cell[0] += turn["committed"]
             cell[1] += turn["rounds"]
     return {m: [(b, c / r) for b, (c, r) in sorted(cells.items())] for m, cells in bins.items()}
+
+
+def agentic_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """(agentic workload, drafting method, context bin upper bound) → the turns whose prompt falls in the bin: their
+    count, verify rounds, tokens committed, and first draft positions proposed and accepted.  Content and context are
+    not confounded here as in the pooled τ vs context: each workload's turns are binned apart."""
+    cells: dict[tuple[str, str, int], dict] = {}
+    for record in results:
+        if BY_NAME[record["workload"]].suite != "agentic" or parse_method(record["method"]).drafter == "none":
+            continue
+        for turn in record["turns"]:
+            if "skipped" in turn or not turn["rounds"]:
+                continue
+            cell = cells.setdefault((record["workload"], record["method"], context_bin(turn["context_tokens"])),
+                                    {"turns": 0, "rounds": 0, "committed": 0, "proposed": 0, "accepted": 0})
+            cell["turns"] += 1
+            cell["rounds"] += turn["rounds"]
+            cell["committed"] += turn["committed"]
+            cell["proposed"] += turn["proposed"][0] if turn["proposed"] else 0
+            cell["accepted"] += turn["accepted"][0] if turn["accepted"] else 0
+    return dict(sorted(cells.items(), key=lambda item: (list(BY_NAME).index(item[0][0]), item[0][1], item[0][2])))
 
 
 # ---------------------------------------------------------------- tables
@@ -204,11 +230,11 @@ SPEEDUP_NOTE = ("speedup = autoregressive decode time per token / the method's (
 
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
     """Tables 1-3 (a suite's workloads, a column per workload and metric) and Table 4 (throughput), each with the
-    paper's published rows."""
+    paper's published rows, and τ against context within each agentic workload."""
     stats, paper = aggregate(results), paper_results()
     methods = list(dict.fromkeys(r["method"] for r in results))
     tables = [suite_table(spec, stats, methods, unavailable, target, hardware, paper) for spec in SUITE_TABLES]
-    return tables + [throughput_table(throughput, stats, target, hardware, paper)]
+    return tables + [throughput_table(throughput, stats, target, hardware, paper), context_table(results, target, hardware)]
 
 
 def column(workload: str, metric: str, metrics: tuple[str, ...]) -> str:
@@ -283,6 +309,23 @@ def throughput_table(throughput: list[dict], stats: dict, target: str, hardware:
     return table
 
 
+def context_table(results: list[dict], target: str, hardware: str) -> Table:
+    """τ and first-position acceptance against context within each agentic workload (:func:`agentic_by_context`): a row
+    per (workload, drafting method, context bin)."""
+    table = Table("tau_by_context", "τ against context, within each agentic workload",
+                  ["target", "hardware", "workload", "method", "context tokens", "turns", "rounds", "tau", "first-position acceptance"])
+    for (workload, method, bound), cell in agentic_by_context(results).items():
+        lower = max((b for b in CONTEXT_BINS if b < bound), default=0)
+        table.rows.append({"target": target, "hardware": hardware, "workload": BY_NAME[workload].title, "method": method,
+                           "context tokens": f"{lower + 1}–{bound}", "turns": cell["turns"], "rounds": cell["rounds"],
+                           "tau": _cell(cell["committed"] / cell["rounds"]),
+                           "first-position acceptance": _cell(cell["accepted"] / cell["proposed"] if cell["proposed"] else None)})
+    table.notes.append("a turn is binned by its prompt's length (the context its first round drafts at); τ = tokens committed per "
+                       "verify round of the bin's turns; first-position acceptance = rounds whose first draft was accepted, of those "
+                       "that proposed one; plain decoding left out")
+    return table
+
+
 def _of(stats: dict, method: str, key: str) -> str:
     """A method's ``key`` (drafter, origin) from any of its workloads; the method's name if none was measured."""
     return next((s[key] for (w, m), s in stats.items() if m == method), method)
@@ -292,33 +335,67 @@ def _of(stats: dict, method: str, key: str) -> str:
 
 
 def write_plots(directory: Path, results: list[dict], throughput: list[dict]) -> list[str]:
+    """The plots that have data, in ``directory`` → their file names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    plots = [_tau_plot(plt, results), _agentic_plot(plt, results), _throughput_plot(plt, throughput), _acceptance_plot(plt, results)]
+    written = [_save(figure, directory / name) for figure, name in filter(None, plots)]
+    plt.close("all")
+    return written
+
+
+def _tau_plot(plt, results: list[dict]):
+    """τ against context, every workload pooled: (figure, file name), or None without data."""
     by_context = tau_by_context(results)
-    if by_context:
-        figure, axis = plt.subplots(figsize=(6, 4))
-        for method, points in by_context.items():
-            axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
-        axis.set(xlabel="context tokens (bin upper bound)", ylabel="τ (tokens per verify round)", title="τ vs context length")
-        _plain_log_ticks(axis, sorted({b for points in by_context.values() for b, _ in points}))
-        axis.legend()
-        written.append(_save(figure, directory / "tau_vs_context.png"))
-    if throughput:
-        figure, axis = plt.subplots(figsize=(6, 4))
-        for method in dict.fromkeys(r["method"] for r in throughput):
-            points = sorted((r["concurrency"], r["tokens_per_s"]) for r in throughput if r["method"] == method)
-            axis.plot([c for c, _ in points], [t for _, t in points], marker="o", label=method)
-        axis.set(xlabel="concurrency", ylabel="tokens/s", title="throughput vs concurrency")
-        _plain_log_ticks(axis, sorted({r["concurrency"] for r in throughput}))
-        axis.legend()
-        written.append(_save(figure, directory / "throughput_vs_concurrency.png"))
-    stats = aggregate(results)
+    if not by_context:
+        return None
     figure, axis = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(m for _, m in stats):
+    for method, points in by_context.items():
+        axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
+    axis.set(xlabel="context tokens (bin upper bound)", ylabel="τ (tokens per verify round)", title="τ vs context length")
+    _plain_log_ticks(axis, sorted({b for points in by_context.values() for b, _ in points}))
+    axis.legend()
+    return figure, "tau_vs_context.png"
+
+
+def _agentic_plot(plt, results: list[dict]):
+    """τ against context within each agentic workload, a panel each: (figure, file name), or None without data."""
+    agentic = agentic_by_context(results)
+    workloads = list(dict.fromkeys(w for w, _, _ in agentic))
+    if not workloads:
+        return None
+    figure, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 4), squeeze=False)
+    for axis, workload in zip(axes[0], workloads):
+        for method in dict.fromkeys(m for w, m, _ in agentic if w == workload):
+            points = [(b, c["committed"] / c["rounds"]) for (w, m, b), c in agentic.items() if w == workload and m == method]
+            axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
+        axis.set(xlabel="context tokens (bin upper bound)", ylabel="τ", title=BY_NAME[workload].title)
+        _plain_log_ticks(axis, sorted({b for w, _, b in agentic if w == workload}))
+    axes[0][0].legend()
+    return figure, "tau_vs_context_agentic.png"
+
+
+def _throughput_plot(plt, throughput: list[dict]):
+    """Tokens/s against concurrency: (figure, file name), or None without data."""
+    if not throughput:
+        return None
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in throughput):
+        points = sorted((r["concurrency"], r["tokens_per_s"]) for r in throughput if r["method"] == method)
+        axis.plot([c for c, _ in points], [t for _, t in points], marker="o", label=method)
+    axis.set(xlabel="concurrency", ylabel="tokens/s", title="throughput vs concurrency")
+    _plain_log_ticks(axis, sorted({r["concurrency"] for r in throughput}))
+    axis.legend()
+    return figure, "throughput_vs_concurrency.png"
+
+
+def _acceptance_plot(plt, results: list[dict]):
+    """Acceptance by draft position, every workload pooled: (figure, file name), or None without data."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for method in dict.fromkeys(r["method"] for r in results):
         proposed = accepted = None
         for record in results:
             if record["method"] != method:
@@ -329,12 +406,11 @@ def write_plots(directory: Path, results: list[dict], throughput: list[dict]) ->
                     accepted = [a + b for a, b in zip(accepted, turn["accepted"])] if accepted else list(turn["accepted"])
         if proposed:
             axis.plot(range(1, len(proposed) + 1), [a / p if p else 0 for a, p in zip(accepted, proposed)], marker="o", label=method)
-    if axis.lines:
-        axis.set(xlabel="draft position", ylabel="acceptance rate", title="acceptance by draft position (all workloads)")
-        axis.legend()
-        written.append(_save(figure, directory / "acceptance_by_position.png"))
-    plt.close("all")
-    return written
+    if not axis.lines:
+        return None
+    axis.set(xlabel="draft position", ylabel="acceptance rate", title="acceptance by draft position (all workloads)")
+    axis.legend()
+    return figure, "acceptance_by_position.png"
 
 
 def _plain_log_ticks(axis, values: list[int]) -> None:
