@@ -289,7 +289,7 @@ class Bench:
         for name in written:
             with atomic_path(self.stage.dir / name) as tmp:
                 shutil.copyfile(self.plan_dir / name, tmp)
-        self.log(f"wrote {len(written)} files to {self.plan_dir} and {self.stage.dir}: tables 1-4 (md, csv, json, tex), plots and summary.md")
+        self.log(f"wrote {len(written)} files to {self.plan_dir} and {self.stage.dir}: tables 1-4 and τ by context (md, csv, json, tex), plots and summary.md")
 
     def _key(self, **fields) -> str:
         """The key of a measurement: this process's setting and the measurement's own ``fields``."""
