@@ -13,7 +13,7 @@ from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding import engine as engine_module
 from dlite_cli.decoding.adaptive import VerifyCosts
 from dlite_cli.decoding.engine import Engine, OutputText, Request, SamplingParams, probabilities
-from dlite_cli.decoding.methods import known_method, load_proposer, parse_method
+from dlite_cli.decoding.methods import checkpoint_of, known_method, load_proposer, parse_method
 from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
 from dlite_cli.decoding.proposers.hybrid import HybridDrafter
 from dlite_cli.decoding.proposers.model import ModelDrafter
@@ -107,7 +107,8 @@ def make_engine(micro, proposer, slots=2, capacity=1024, chunk=256, eos=(), path
 
 def load(name, model, capacity=1024):
     """The proposer ``name`` names, as the engine loads it (K for those without a checkpoint)."""
-    return load_proposer(known_method(name), None, ProposerSetup(K, SuffixConfig(), model, capacity))
+    method = known_method(name)
+    return load_proposer(method, checkpoint_of(method, None), ProposerSetup(K, SuffixConfig(), model, capacity))
 
 
 def proposer_for(name, micro, drafter_dirs, prompts, reference):

@@ -122,7 +122,7 @@ def generate(llm, prompts, **params):
 
 def dlite_engine(micro, drafter_dir):
     path, model = micro
-    proposer = load_proposer(known_method(str(drafter_dir)), None, ProposerSetup(K, SuffixConfig(), model, 1024))
+    proposer = load_proposer(known_method(str(drafter_dir)), drafter_dir, ProposerSetup(K, SuffixConfig(), model, 1024))
     runner = TargetRunner(model, proposer.target_layers, slots=2, capacity=1024)
     from transformers import AutoTokenizer
 

@@ -230,10 +230,11 @@ class Bench:
         """The proposer of a method in dlite's engine (decoding/methods.py), labelled and keyed by its checkpoint."""
         method = parse_method(name)
         setup = proposer_setup(self.config, model, model.config.max_position_embeddings, self.path, self.log)
-        proposer = load_proposer(method, self.stage.dir.parent, setup)
+        directory = checkpoint_of(method, self.stage.dir.parent)
+        proposer = load_proposer(method, directory, setup)
         if suffix_part(proposer):  # its settings are part of what was measured
             self.engine_keys[name] = {"suffix": dataclasses.asdict(self.config.suffix)}
-        self._label(name, checkpoint_of(method, self.stage.dir.parent), method.drafter_option)
+        self._label(name, directory, method.drafter_option)
         return proposer
 
     def _engines(self, proposers: dict, model, width: int) -> None:

@@ -279,10 +279,11 @@ class Engine(DecodingEngine):
         request.params.check()
         if not request.prompt_ids:
             raise DliteError("the prompt is empty")
-        if self.room(len(request.prompt_ids)) < 0:
+        room = self.room(len(request.prompt_ids))
+        if room < 0:
             raise DliteError(
                 f"the prompt has {len(request.prompt_ids)} tokens; with {self.draft_tokens} draft tokens it needs "
-                f"{self.capacity - self.room(len(request.prompt_ids))} of KV cache, more than the engine's {self.capacity}"
+                f"{self.capacity - room} of KV cache, more than the engine's {self.capacity}"
             )
 
     def add(self, request: Request) -> None:
@@ -552,16 +553,16 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     from .decoding_plan import engine_context
     from .methods import checkpoint_of, known_drafter, load_proposer
 
-    decode, method = config.decode, known_drafter(drafter)
-    capacity = engine_context(config, target_config(config, log), method, slots or decode.max_batch, capacity,
-                              resolve_device(config.target.device), log, response_tokens)
-    checkpoint_of(method, run_dir)  # a drafter whose stage has not run is refused before the target loads
+    decode, method, slots = config.decode, known_drafter(drafter), slots or config.decode.max_batch
+    capacity = engine_context(config, target_config(config, log), method, slots, capacity, resolve_device(config.target.device), log,
+                              response_tokens)
+    directory = checkpoint_of(method, run_dir)  # a drafter whose stage has not run is refused before the target loads
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
-    proposer = load_proposer(method, run_dir, proposer_setup(config, model, capacity, path, log))
+    proposer = load_proposer(method, directory, proposer_setup(config, model, capacity, path, log))
     # identical text: every method's passes as wide as the widest's (the config's K, as the bench's), plain decoding's too
     shared = max(proposer.draft_tokens, config.drafter.draft_tokens) if decode.identical_text else proposer.draft_tokens
-    runner = TargetRunner(model, proposer.target_layers, slots or decode.max_batch, capacity, decode.prefill_chunk, path,
+    runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path,
                           pass_width(shared, model.dtype, path, decode.identical_text))
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=decode.adaptive and method.adaptive), tokenizer
 

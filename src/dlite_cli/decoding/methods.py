@@ -136,12 +136,11 @@ def checkpoint_of(method: Method, run_dir: Path) -> Path | None:
     return resolve_drafter_path(method.drafter, run_dir) if method.has_checkpoint else None
 
 
-def load_proposer(method: Method, run_dir: Path, setup: ProposerSetup) -> Proposer:
-    """The proposer ``method`` names, built with ``setup``: from :data:`PROPOSERS`, or a checkpoint's drafter (paired
-    where the method says) on the target's device."""
+def load_proposer(method: Method, directory: Path | None, setup: ProposerSetup) -> Proposer:
+    """The proposer ``method`` names, built with ``setup``: from :data:`PROPOSERS`, or the drafter in ``directory`` (its
+    checkpoint: :func:`checkpoint_of`), paired where the method says, on the target's device."""
     if not method.has_checkpoint:
         return PROPOSERS[method.drafter].build(setup)
-    directory = resolve_drafter_path(method.drafter, run_dir)
     model = checkpoint_proposer(directory, method.drafter if method.drafter in STAGE_OF else directory.name, setup)
     if method.pairing and isinstance(model, HistoryAdapter):
         raise DliteError(f"{method.name}: {method.pairing} pairs with a history-free drafter, and {directory} keeps a draft history (W ≠ 0)")
