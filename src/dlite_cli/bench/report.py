@@ -140,27 +140,11 @@ def context_bin(tokens: int) -> int:
     return next((b for b in CONTEXT_BINS if tokens <= b), CONTEXT_BINS[-1])
 
 
-def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """method → [(context bin upper bound, τ of the turns whose context falls in it)]."""
-    bins: dict[str, dict[int, list[int]]] = {}
-    for record in results:
-        for turn in record["turns"]:
-            if "skipped" in turn or not turn["rounds"]:
-                continue
-            cell = bins.setdefault(record["method"], {}).setdefault(context_bin(turn["context_tokens"]), [0, 0])
-            cell[0] += turn["committed"]
-            cell[1] += turn["rounds"]
-    return {m: [(b, c / r) for b, (c, r) in sorted(cells.items())] for m, cells in bins.items()}
-
-
-def agentic_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
-    """(agentic workload, drafting method, context bin upper bound) → the turns whose prompt falls in the bin: their
-    count, verify rounds, tokens committed, and first draft positions proposed and accepted.  Content and context are
-    not confounded here as in the pooled τ vs context: each workload's turns are binned apart."""
+def by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """(workload, method, context bin upper bound) → the measured turns whose prompt falls in the bin: their count,
+    verify rounds, tokens committed, and first draft positions proposed and accepted."""
     cells: dict[tuple[str, str, int], dict] = {}
     for record in results:
-        if BY_NAME[record["workload"]].suite != "agentic" or parse_method(record["method"]).drafter == "none":
-            continue
         for turn in record["turns"]:
             if "skipped" in turn or not turn["rounds"]:
                 continue
@@ -171,6 +155,24 @@ def agentic_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
             cell["committed"] += turn["committed"]
             cell["proposed"] += turn["proposed"][0] if turn["proposed"] else 0
             cell["accepted"] += turn["accepted"][0] if turn["accepted"] else 0
+    return cells
+
+
+def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """method → [(context bin upper bound, τ of the turns whose context falls in it)], every workload pooled."""
+    pooled: dict[str, dict[int, list[int]]] = {}
+    for (_, method, bound), cell in by_context(results).items():
+        sums = pooled.setdefault(method, {}).setdefault(bound, [0, 0])
+        sums[0] += cell["committed"]
+        sums[1] += cell["rounds"]
+    return {m: [(b, c / r) for b, (c, r) in sorted(bins.items())] for m, bins in pooled.items()}
+
+
+def agentic_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """:func:`by_context` within the agentic workloads, for the methods that draft, workloads in the registry's order.
+    Content and context are not confounded here as in the pooled τ vs context: each workload's turns are binned apart."""
+    cells = {key: cell for key, cell in by_context(results).items()
+             if BY_NAME[key[0]].suite == "agentic" and parse_method(key[1]).drafter != "none"}
     return dict(sorted(cells.items(), key=lambda item: (list(BY_NAME).index(item[0][0]), item[0][1], item[0][2])))
 
 
