@@ -73,12 +73,12 @@ def choose_engine(config, setting: str | None = None, log=print) -> str:
 def open_engine(config, setting: str | None, in_vllm: Callable[[], Opened], in_dlite: Callable[[], Opened], log=print) -> Opened:
     """``in_vllm()`` where the chosen engine (:func:`choose_engine`) is vLLM, else ``in_dlite()``; under ``auto``, what
     vLLM refuses (a drafter it cannot draft with) goes to dlite's engine instead, said in one line."""
-    chosen = choose_engine(config, setting, log)
-    if chosen == "vllm":
+    setting = setting or config.decode.engine
+    if choose_engine(config, setting, log) == "vllm":
         try:
             return in_vllm()
         except DliteError as e:
-            if (setting or config.decode.engine) == "vllm":
+            if setting == "vllm":
                 raise
             log(f"{e}: in dlite's own engine instead")
     return in_dlite()

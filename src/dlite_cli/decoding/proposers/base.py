@@ -7,6 +7,7 @@
     end(row)                             a row leaves
     kv_bytes(row)                        draft-side KV cache held for the row (0 for DLite)
     adapt(costs)                         propose adaptively from now on (adaptive.py)
+    build(setup) (class method)          a new one from a ProposerSetup: what decoding/methods.py's registry calls
 
 ``row`` is the engine's Request: ``slot``, ``tokens`` (committed ids, the anchor last), ``pivot`` (S, H) target
 features at the position before the anchor, ``anchor`` and ``position`` (its absolute position).  A proposer owns
@@ -56,6 +57,11 @@ class Proposer:
     name, draft_tokens, needs_all_features = "", 0, False  # needs_all_features: every position's target features, not the pivot's alone
     target_layers: list[int] = []  # the target layers whose states the proposer reads
     costs: VerifyCosts | None = None  # set by ``adapt``: then proposals are adaptive
+
+    @classmethod
+    def build(cls, setup: ProposerSetup) -> Proposer:
+        """A new proposer from ``setup``: how the registry (decoding/methods.PROPOSERS) makes one."""
+        raise NotImplementedError
 
     def adapt(self, costs: VerifyCosts) -> None:
         """Propose adaptively from now on, at the target's verify ``costs`` measured on this machine."""
