@@ -25,7 +25,7 @@ import importlib
 import inspect
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,6 +56,9 @@ class Prompt:
     messages: list[dict[str, str]]  # chat messages ending with the first user turn
     original: str | None = None  # the source's own answer to it, if it has one
     keep_original: bool = False  # its source asks for ``responses: original``: the target does not rewrite it
+    # a multi-turn trace's messages appended after each assistant reply (tool results, the user's next message);
+    # empty for a single-turn prompt
+    later_turns: list[list[dict]] = field(default_factory=list)
 
 
 @dataclass
