@@ -12,7 +12,8 @@ import torch
 
 from dlite_cli.core.config import RegenConfig, SourceConfig, load_config
 from dlite_cli.core.errors import DliteError
-from dlite_cli.data.prompts import Prompt, is_heldout, plan_prompts
+from dlite_cli.data.prompts import Prompt, plan_prompts
+from dlite_cli.data.split import is_heldout
 from dlite_cli.models.chat import chat_prompt_ids
 from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
 from dlite_cli.training.regen import EngineBackend, _generate_batch, parse_shard, written_spans
@@ -137,9 +138,11 @@ def test_malformed_records_are_skipped_and_reported(run_cli, tmp_path):
     assert "skipped" in done.stderr
 
 
-def test_heldout_ids_never_reach_training():
-    prompts, _ = plan_prompts(RegenConfig(sources=[SourceConfig("stdlib-code", 1000)]), log=lambda _: None)
-    assert prompts and not any(is_heldout(p.id) for p in prompts)
+def test_heldout_ids_never_reach_training(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": f"Q{i}?"}]}) + "\n" for i in range(400)))
+    prompts, _ = plan_prompts(RegenConfig(sources=[SourceConfig("sharegpt", 1000, str(chats))]), log=lambda _: None)
+    assert 360 < len(prompts) < 400 and not any(is_heldout(p.id) for p in prompts)
     ids = [f"sharegpt:{i}" for i in range(10000)]
     assert 0.04 < sum(map(is_heldout, ids)) / len(ids) < 0.06
 

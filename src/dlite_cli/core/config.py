@@ -85,7 +85,7 @@ class TargetConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "device"}
 
 
-PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code"]
+PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code", "bfcl-v3", "tooltalk", "tau2-airline", "swe-stdlib"]
 
 
 @dataclass
