@@ -24,6 +24,7 @@ training part of data the benchmarks also read: ``split.py`` says which part is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -126,8 +127,18 @@ def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
             native = record.get("id") if isinstance(record, dict) else None
             yield Skipped(f"{source.name}:{native or f'#{index}'}", source.name, f"malformed record: {e}")
             continue
-        if not is_heldout(prompt.id):  # the benchmarks' share of a chat source (split.py)
-            yield prompt
+        if is_heldout(prompt.id):  # the benchmarks' share of a chat source (split.py)
+            continue
+        if source.name == "sharegpt" and source.path is None and prompt.messages[-1]["content"] in _bench_chat_requests():
+            continue
+        yield prompt
+
+
+@functools.cache
+def _bench_chat_requests() -> frozenset[str]:
+    """The first messages of the ShareGPT chats the bench holds out: popular requests recur in other conversations,
+    and a training chat that asks one of them is the bench's too."""
+    return frozenset(episode.turns[0][0]["content"] for episode in BY_NAME["sharegpt"].offline())
 
 
 def _sample_id(source: str, native: Any, messages: list[dict]) -> str:

@@ -2,8 +2,9 @@
 
 Each data set read by both sides is split here, once, and both sides read their part through this module:
 
-- ShareGPT: a fixed ~5 % of the records, chosen by a hash of the sample id (:func:`is_heldout`), is the
-  bench's (the ShareGPT workload, Long Dialogue's chats); the training source ``sharegpt`` drops them.
+- ShareGPT: a fixed ~5 % of the conversations, chosen by a hash of the id (:func:`is_heldout`), is the
+  bench's (the ShareGPT workload, Long Dialogue's chats); the training source ``sharegpt`` drops them, and
+  every chat whose first message is one of theirs (popular requests recur across conversations).
   The hub's chat sources (``open-perfectblend``, ``nemotron-v2``) drop the same share of theirs, as they
   always have: no bench reads it, and their training prompts stay the ones they were.
 - The agentic data sets (BFCL multi-turn base, ToolTalk's conversations, τ²-bench's airline tasks): the
@@ -36,7 +37,12 @@ STDLIB_MODULES = tuple(sorted(BENCH_MODULES + TRAINING_MODULES))
 
 
 def is_heldout(sample_id: str) -> bool:
-    """True for the fixed ~5 % of samples reserved for benchmarks (decided by the id alone)."""
+    """True for the fixed ~5 % of samples reserved for benchmarks, decided by the id alone.  A ShareGPT id names a
+    piece of a longer conversation (``sharegpt:<conversation>_<piece>``): every piece of one conversation falls on
+    the same side."""
+    source, _, native = sample_id.partition(":")
+    if source == "sharegpt":
+        sample_id = f"{source}:{native.rsplit('_', 1)[0]}"
     return int(hashlib.sha1(sample_id.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
