@@ -61,7 +61,8 @@ class Prompt:
 def plan_prompts(
     regen: RegenConfig, limit: int | None = None, log=print, unusable: Callable[[Prompt], str | None] = lambda p: None
 ) -> tuple[list[Prompt], list[Skipped]]:
-    """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed.
+    """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed,
+    the multi-turn traces after the rest.
 
     ``unusable(prompt)`` returns why a prompt cannot be used (e.g. too long for
     the target), or None.  Returns the prompts (first ``limit`` only, if given)
@@ -75,6 +76,7 @@ def plan_prompts(
             log(f"source {source.name} has only {len(taken)} usable training prompts ({source.count} asked for)")
         prompts += taken
     random.Random(regen.seed).shuffle(prompts)
+    prompts.sort(key=lambda p: bool(p.later_turns))  # traces last and together: their later turns decode in full batches
     return prompts[:limit] if limit is not None else prompts, skipped
 
 
