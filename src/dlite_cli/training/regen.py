@@ -390,7 +390,7 @@ def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generato
             "finish_reason": last.finish_reason,
         }
         if len(turns) > 1:
-            record["spans"] = written_spans(record["input_ids"], [(ids, completion.token_ids) for _, ids, completion in turns])
+            record["spans"] = written_spans(record["input_ids"], [(turn_ids, completion.token_ids) for _, turn_ids, completion in turns])
         records.append(record | ({"labels": "target"} if prompt.keep_original else {}))
     return records
 
