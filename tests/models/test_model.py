@@ -8,7 +8,7 @@ from dlite_cli.core.errors import DliteError
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec, History, grouped_attention, select_layers
 from dlite_cli.models.release import load_drafter
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.training.features import LayerCapture, Sequence, target_pass
+from dlite_cli.training.features import LayerCapture, Sequence, length_batches, target_pass
 from dlite_cli.training.losses import position_weights
 from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
@@ -196,6 +196,11 @@ def test_labels_of_a_kept_original_response_are_the_targets_own_while_the_text_f
     assert batch.labels.tolist() == [[12, 99, -100, -100], [14, 15, -100, -100]]
     regenerated = anchor_batch(Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids), torch.tensor([1]), K, 0)
     assert regenerated.labels.tolist() == [[12, 13, 14, 15]]  # the target wrote the text itself: labels are the text
+
+
+def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length():
+    assert length_batches([100, 120, 5000, 90, 4000, 110], 2) == [[3, 0], [5, 1], [4, 2]]
+    assert length_batches([100, 120, 5000, 90, 4000, 110], 8) == [[3, 0, 5, 1], [4, 2]]
 
 
 def test_anchors_and_labels_of_a_trace_stay_inside_its_replies():

@@ -105,14 +105,23 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
 
 
 def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
-    """:func:`target_pass` over ``records``, ``batch`` at a time in order of length (little padding) → their
-    Sequences in the records' order."""
-    by_length = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    """:func:`target_pass` over ``records`` in the passes :func:`length_batches` groups → their Sequences in the
+    records' order."""
     computed = {}
-    for start in range(0, len(records), batch):
-        part = by_length[start : start + batch]
+    for part in length_batches([len(r["input_ids"]) for r in records], batch):
         computed.update(zip(part, target_pass(model, capture, [records[i] for i in part], top_k)))
     return [computed[i] for i in range(len(records))]
+
+
+def length_batches(lengths: list[int], batch: int) -> list[list[int]]:
+    """Indices of sequences of these ``lengths`` grouped for batched passes, in order of length: at most ``batch`` a
+    pass, and none padded to more than twice its own length (as a chat beside an agent trace would be)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if not batches or len(batches[-1]) == batch or lengths[i] > 2 * lengths[batches[-1][0]]:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
 
 
 def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
