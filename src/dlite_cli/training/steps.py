@@ -10,8 +10,8 @@ import torch
 from ..core.config import TrainConfig
 from ..models.model import FULL_HISTORY, DrafterSpec
 from .features import Sequence
-from .regen import spans_of
 from .losses import cross_entropy, forward_kl, stable_loss
+from .regen import spans_of
 
 
 @dataclass
@@ -75,7 +75,7 @@ class AnchorBatch:
     top_ids: torch.Tensor  # (B, K, k)
     history: dict  # W ≠ 0: Drafter.history's arguments (features (1, T, S·H), mask (B, T), anchors (B,)); else empty
 
-    def to(self, device) -> "AnchorBatch":
+    def to(self, device) -> AnchorBatch:
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "history"}
         return AnchorBatch(**moved, history={k: v.to(device) for k, v in self.history.items()})
 
