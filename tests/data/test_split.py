@@ -77,7 +77,7 @@ def test_held_out_sharegpt_chats_are_never_trained_on():
     held_out = bench("sharegpt", 100)  # about the first 2000 records' held-out ones
     trained = training("sharegpt", 2000)
     assert len(held_out) == 100 and not {e.id for e in held_out} & {p.id for p in trained}
-    conversation = lambda sample_id: sample_id.rpartition("_")[0]
+    conversation = lambda sample_id: sample_id.rpartition("_")[0]  # sharegpt:<conversation>_<piece>
     assert not {conversation(e.id) for e in held_out} & {conversation(p.id) for p in trained}  # no piece of a held-out one
 
 
