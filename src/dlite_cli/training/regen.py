@@ -269,13 +269,13 @@ def run_regen(
     target = prepare_target(config.target, log)
     tokenizer = load_tokenizer(target)
 
-    longest = {source.name: source.max_prompt_tokens or regen.max_prompt_tokens for source in regen.sources}
+    longest = {source.name: (source.max_prompt_tokens, f"source {source.name}'s max_prompt_tokens") if source.max_prompt_tokens
+               else (regen.max_prompt_tokens, "regen.max_prompt_tokens") for source in regen.sources}
 
     def too_long(prompt: Prompt) -> str | None:
         length = len(chat_prompt_ids(tokenizer, prompt.messages, config.target.thinking))
-        if length > longest[prompt.source]:
-            return f"prompt has {length} tokens, over the {longest[prompt.source]} its source allows (max_prompt_tokens)"
-        return None
+        limit, key = longest[prompt.source]
+        return f"prompt has {length} tokens, over {key}={limit}" if length > limit else None
 
     prompts, source_skips = plan_prompts(regen, limit, log, unusable=too_long)
     if not prompts:
