@@ -47,10 +47,11 @@ test: $(STAMP)
 # pipeline end to end, the profile at Qwen3-4B's shapes, and every stage's memory plan for Qwen3-4B and
 # Qwen3-8B on an 80 GB and a 141 GB GPU (each must fit).  Not part of `make test`.  On a CPU,
 # `make gpu-check PYTHON=.venv/bin/python` runs the same to its end: what a CPU cannot run is skipped,
-# with its reason printed (pytest's -rs, the profile's skipped lines).
+# with its reason printed (pytest's -rs, the profile's skipped lines). Each test's name and outcome is printed as it
+# ends (-v), so that a run stopped by a time limit still names its failures.
 GPU_CHECK = PYTHONPATH=$(CURDIR)/src $(PYTHON)
 gpu-check:
-	$(GPU_CHECK) -m pytest -q -rs --ignore tests/serve
+	$(GPU_CHECK) -m pytest -v -rfs --ignore tests/serve
 	$(GPU_CHECK) -m dlite_cli run micro --run-dir runs/gpu-check-micro
 	$(GPU_CHECK) -m dlite_cli profile --target qwen3-4b
 	for target in qwen3-4b qwen3-8b; do for gigabytes in 80 141; do \

@@ -131,7 +131,7 @@ def test_offline_sources_of_the_embedded_default(cache_dir):
     gsm8k, source = load(BY_NAME["gsm8k"], None, limit=2)
     assert "wheel" in source and "Janet" in gsm8k[0].turns[0][0]["content"]  # the test set's first problem
     tooltalk, source = load(BY_NAME["tooltalk"], None, limit=50)
-    assert len(tooltalk) == 50 and "wheel" in source and all(len(e.turns) >= 3 for e in tooltalk)
+    assert len(tooltalk) == 25 and "wheel" in source and all(len(e.turns) >= 3 for e in tooltalk)  # the bench's half
     assert sum("[tool " in m["content"] for e in tooltalk for t in e.turns for m in t) > 100  # recorded calls replayed
     assert all('"parameters"' in e.turns[0][0]["content"] for e in tooltalk)  # every conversation gets its tools' schemas
     tau2, source = load(BY_NAME["tau2_airline"], None, limit=2)

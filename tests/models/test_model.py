@@ -8,9 +8,9 @@ from dlite_cli.core.errors import DliteError
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec, History, grouped_attention, select_layers
 from dlite_cli.models.release import load_drafter
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.training.features import LayerCapture, Sequence, target_pass
+from dlite_cli.training.features import LayerCapture, Sequence, length_batches, target_pass
 from dlite_cli.training.losses import position_weights
-from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan
+from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
 K = 4
 
@@ -196,6 +196,21 @@ def test_labels_of_a_kept_original_response_are_the_targets_own_while_the_text_f
     assert batch.labels.tolist() == [[12, 99, -100, -100], [14, 15, -100, -100]]
     regenerated = anchor_batch(Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids), torch.tensor([1]), K, 0)
     assert regenerated.labels.tolist() == [[12, 13, 14, 15]]  # the target wrote the text itself: labels are the text
+
+
+def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length():
+    assert length_batches([100, 120, 5000, 90, 4000, 110], 2) == [[3, 0], [5, 1], [4, 2]]
+    assert length_batches([100, 120, 5000, 90, 4000, 110], 8) == [[3, 0, 5, 1], [4, 2]]
+
+
+def test_anchors_and_labels_of_a_trace_stay_inside_its_replies():
+    """A trace of 12 tokens whose target-written replies are [2, 5) and [8, 12): positions 5-7 are a tool result.
+    Anchors have a pivot and a label inside their reply; an anchor's labels stop at its reply's end."""
+    sequence = Sequence(torch.arange(12), 2, torch.zeros(12, 3, 8), torch.full((12, 2), 0.5), torch.zeros(12, 2).int(), spans=[[2, 5], [8, 12]])
+    assert valid_anchors(sequence).tolist() == [2, 3, 8, 9, 10]
+    batch = anchor_batch(sequence, torch.tensor([3, 9]), K, 0)
+    assert batch.valid.tolist() == [[True, False, False, False], [True, True, False, False]]
+    assert batch.labels.tolist() == [[4, -100, -100, -100], [10, 11, -100, -100]]
 
 
 @pytest.mark.parametrize("options", [{}, {"composition": "feature"}, {"sequential_head": False}, {"draft_vocab": 64},

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import re
 import signal
@@ -7,11 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from dlite_cli.core.config import RegenConfig, SourceConfig
+from dlite_cli.core.config import RegenConfig, SourceConfig, load_config
 from dlite_cli.core.errors import DliteError
-from dlite_cli.data.prompts import is_heldout, plan_prompts
-from dlite_cli.training.regen import parse_shard
+from dlite_cli.data.prompts import Prompt, plan_prompts
+from dlite_cli.data.split import is_heldout
+from dlite_cli.models.chat import chat_prompt_ids
+from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
+from dlite_cli.training.regen import EngineBackend, _generate_batch, parse_shard, written_spans
 
 
 def chunk_records(run: Path) -> dict[str, dict]:
@@ -133,9 +138,11 @@ def test_malformed_records_are_skipped_and_reported(run_cli, tmp_path):
     assert "skipped" in done.stderr
 
 
-def test_heldout_ids_never_reach_training():
-    prompts, _ = plan_prompts(RegenConfig(sources=[SourceConfig("stdlib-code", 1000)]), log=lambda _: None)
-    assert prompts and not any(is_heldout(p.id) for p in prompts)
+def test_heldout_ids_never_reach_training(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": f"Q{i}?"}]}) + "\n" for i in range(400)))
+    prompts, _ = plan_prompts(RegenConfig(sources=[SourceConfig("sharegpt", 1000, str(chats))]), log=lambda _: None)
+    assert 360 < len(prompts) < 400 and not any(is_heldout(p.id) for p in prompts)
     ids = [f"sharegpt:{i}" for i in range(10000)]
     assert 0.04 < sum(map(is_heldout, ids)) / len(ids) < 0.06
 
@@ -228,3 +235,36 @@ def test_the_dlite_backend_writes_the_greedy_records_generate_does_and_samples_r
     run_cli("regen", *sampled, "--run-dir", str(tmp_path / "a"))
     run_cli("regen", *sampled, "--run-dir", str(tmp_path / "b"))
     assert chunk_records(tmp_path / "a") == chunk_records(tmp_path / "b") != dlite
+
+
+def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_room(cache_dir):
+    """A trace's replies are the target's, each after the context its earlier replies and the tool results made
+    (rendered by the chat template, as the bench renders it); the record is the whole trace, and a turn whose
+    context leaves no room for a reply ends it."""
+    config = load_config("micro", ["regen.max_new_tokens=8"])
+    target = prepare_target(config.target, log=lambda _: None)
+    tokenizer, model = load_tokenizer(target), load_model(target, "float32", torch.device("cpu"))
+    first = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Wake me at 7."}]
+    later = [[{"role": "user", "content": '[tool AddAlarm({"time": "07:00"})]\n{"alarm_id": "a1"}'}], [{"role": "user", "content": "Thanks."}]]
+    prompts = [Prompt("t:1", "tooltalk", first, later_turns=later), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
+    ids = [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
+
+    def write(regen):
+        return _generate_batch(prompts, ids, EngineBackend(model, tokenizer, regen), 0, tokenizer, regen, False)
+
+    trace, chat = write(config.regen)
+    assert [m["role"] for m in trace["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert trace["messages"][3:] == [*later[0], trace["messages"][4], *later[1]]
+    last_turn = chat_prompt_ids(tokenizer, trace["messages"], False)
+    assert trace["input_ids"][: len(last_turn)] == last_turn and trace["spans"][-1] == [len(last_turn), len(trace["input_ids"])]
+    assert trace["prompt_len"] == len(ids[0]) and trace["spans"] == sorted(trace["spans"])
+    assert "spans" not in chat and chat == write(config.regen)[1]  # a single-turn prompt's record is as it was
+    cut = write(dataclasses.replace(config.regen, max_length=len(last_turn)))[0]  # the last turn's context leaves no room
+    assert [m["role"] for m in cut["messages"]][-2:] == ["assistant", "user"] and len(cut["messages"]) == 4
+
+
+def test_a_reply_is_a_span_as_far_as_the_next_turn_reads_back_the_ids_the_target_wrote():
+    trace = [1, 2, 3, 10, 11, 4, 5, 20, 21, 22]  # prompt 1 2 3, reply 10 11, tool result 4 5, reply 20 21 22
+    assert written_spans(trace, [([1, 2, 3], [10, 11]), ([1, 2, 3, 10, 11, 4, 5], [20, 21, 22])]) == [[3, 5], [7, 10]]
+    assert written_spans(trace, [([1, 2, 3], [10, 12])]) == [[3, 4]]  # its text re-read as other ids from the second on
+    assert written_spans(trace, [([1, 2, 9], [10, 11])]) == []  # its prompt is not the trace's: no span

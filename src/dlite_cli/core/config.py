@@ -85,7 +85,7 @@ class TargetConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "device"}
 
 
-PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code"]
+PromptSourceName = Literal["open-perfectblend", "nemotron-v2", "sharegpt", "stdlib-code", "bfcl-v3", "tooltalk", "tau2-airline", "swe-stdlib"]
 
 
 @dataclass
@@ -100,6 +100,9 @@ class SourceConfig:
     # reads it, teacher-forced, at prefill speed; its labels are then the target's own next tokens,
     # never the text's.  A later source skips the prompts an earlier one took.
     responses: Literal["regenerate", "original"] = "regenerate"
+    # its prompts (a trace's first turn) longer than this are skipped; None: regen.max_prompt_tokens.  Agent traces
+    # begin with long system prompts (tool documentation) and go on up to regen.max_length
+    max_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -296,6 +299,9 @@ class Config:
         problems = []
         if self.regen.max_prompt_tokens >= self.regen.max_length:
             problems.append(("regen.max_prompt_tokens", "must be smaller than regen.max_length"))
+        for index, source in enumerate(self.regen.sources):
+            if source.max_prompt_tokens is not None and not 0 < source.max_prompt_tokens < self.regen.max_length:
+                problems.append((f"regen.sources[{index}].max_prompt_tokens", "must be > 0 and smaller than regen.max_length"))
         if self.train.global_batch % self.train.micro_batch:
             problems.append(("train.global_batch", "must be a multiple of train.micro_batch"))
         return problems

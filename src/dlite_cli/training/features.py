@@ -8,7 +8,9 @@ pass gives, per position t:
     top_ids    (T, k)     their token ids
 
 An anchor a (a response token) then yields: context = features[a−1] (the pivot),
-the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.
+the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.  A multi-turn
+trace is one sequence with one response span per reply: its anchors and labels
+stay inside a span, while the features before each are of the whole trace so far.
 
 Two modes (``train.features``): ``cached`` runs the target once over every
 sequence and stores the result in ``<run>/features/`` (half precision), reused by
@@ -19,7 +21,7 @@ training loop — the paper-scale mode, where stored features would take tens of
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +33,7 @@ from ..core.files import atomic_path
 from ..core.progress import progress_bar
 from ..models.linears import pack_modules
 from .losses import dropped_mass
-from .regen import iter_records
+from .regen import iter_records, spans_of
 
 SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
 
@@ -46,6 +48,11 @@ class Sequence:
     top_probs: torch.Tensor  # (T, k)
     top_ids: torch.Tensor  # (T, k) int32
     labels_from_target: bool = False  # the response is the source's original text: labels are the target's argmax
+    spans: list[list[int]] = field(default_factory=list)  # [start, end) of each response (a trace's replies); empty: one, from prompt_len
+
+    def responses(self) -> list[list[int]]:
+        """The [start, end) ranges of the tokens the drafter learns to propose: the responses."""
+        return self.spans or [[self.prompt_len, len(self.input_ids)]]
 
 
 class LayerCapture:
@@ -77,7 +84,7 @@ class LayerCapture:
 
 @torch.no_grad()
 def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
-    """Run the target over regen records (``input_ids``, ``prompt_len``, ``labels``; one right-padded batch): each
+    """Run the target over regen records (``input_ids``, ``prompt_len``, ``spans``, ``labels``; one right-padded batch): each
     Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host."""
     width = max(len(r["input_ids"]) for r in records)
     input_ids = torch.zeros(len(records), width, dtype=torch.long)
@@ -93,19 +100,28 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
         length = len(record["input_ids"])
         probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
         out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), probs.cpu(),
-                            top.int().cpu(), record.get("labels") == "target"))
+                            top.int().cpu(), record.get("labels") == "target", spans_of(record)))
     return out
 
 
 def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
-    """:func:`target_pass` over ``records``, ``batch`` at a time in order of length (little padding) → their
-    Sequences in the records' order."""
-    by_length = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    """:func:`target_pass` over ``records`` in the passes :func:`length_batches` groups → their Sequences in the
+    records' order."""
     computed = {}
-    for start in range(0, len(records), batch):
-        part = by_length[start : start + batch]
+    for part in length_batches([len(r["input_ids"]) for r in records], batch):
         computed.update(zip(part, target_pass(model, capture, [records[i] for i in part], top_k)))
     return [computed[i] for i in range(len(records))]
+
+
+def length_batches(lengths: list[int], batch: int) -> list[list[int]]:
+    """Indices of sequences of these ``lengths`` grouped for batched passes, in order of length: at most ``batch`` a
+    pass, and none padded to more than twice its own length (as a chat beside an agent trace would be)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if not batches or len(batches[-1]) == batch or lengths[i] > 2 * lengths[batches[-1][0]]:
+            batches.append([])
+        batches[-1].append(i)
+    return batches
 
 
 def split_records(records: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
@@ -154,7 +170,7 @@ class FeatureCache:
 
     def _dropped_mass(self) -> dict:
         """How much of p^T the top-k leaves out, over the response positions of every sequence."""
-        dropped = torch.cat([dropped_mass(s.top_probs[max(s.prompt_len - 1, 0) :]) for s in self.load(require_done=False)])
+        dropped = torch.cat([dropped_mass(s.top_probs[max(start - 1, 0) : end]) for s in self.load(require_done=False) for start, end in s.responses()])
         return {"mean": round(dropped.mean().item(), 5), "p99": round(dropped.quantile(0.99).item(), 5)}
 
     def _shard_path(self, index: int) -> Path:
@@ -170,6 +186,8 @@ class FeatureCache:
             "top_ids": torch.cat([s.top_ids for s in sequences]),
             "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
             "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
+            "spans": torch.tensor([span for s in sequences for span in s.responses()]).reshape(-1, 2),
+            "span_counts": torch.tensor([len(s.responses()) for s in sequences]),
             "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
         }
         with atomic_path(self._shard_path(index)) as tmp:
@@ -193,11 +211,15 @@ class FeatureCache:
                 shard["features"] = shard["features"][:, columns]
             starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
             from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
-            for start, length, prompt_len, flag in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(), from_target):
+            spans = shard["spans"].tolist() if "spans" in shard else []
+            counts = shard["span_counts"].tolist() if "span_counts" in shard else [0] * len(starts)  # a cache from before spans: one response each
+            firsts = [sum(counts[:i]) for i in range(len(counts))]
+            for start, length, prompt_len, flag, first, count in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
+                                                                     from_target, firsts, counts):
                 end = start + length
                 sequences.append(
                     Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
-                             shard["top_ids"][start:end], flag)
+                             shard["top_ids"][start:end], flag, spans[first : first + count])
                 )
         return sequences
 

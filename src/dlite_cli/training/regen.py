@@ -9,7 +9,11 @@ Output, under ``<run-dir>/regen/``::
 A record is ``{"id", "source", "messages", "response", "input_ids", "prompt_len",
 "finish_reason"}``; ``input_ids`` is the chat-formatted prompt followed by the
 response tokens (ending with EOS when the model stopped), the exact sequence
-later stages feed the target.
+later stages feed the target.  A multi-turn trace (an agent's: tool results
+between its replies) is written turn by turn, each reply after the context the
+earlier ones made, and is one record: ``messages`` is the conversation before its
+last reply, ``response`` that reply, ``input_ids`` the whole trace, and ``spans``
+the ``[start, end)`` ranges of ``input_ids`` the target wrote, one per reply.
 
 Within a chunk, prompts are sorted by length and cut into fixed batches; each
 finished batch is appended to ``chunks/NNNNN.partial`` as one JSON line and the
@@ -61,6 +65,12 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise DliteError(f"--shard {text!r}: expected 0 <= i < n")
     return index, count
+
+
+def spans_of(record: dict) -> list[list[int]]:
+    """The ``[start, end)`` ranges of ``record["input_ids"]`` that are its responses: a trace's ``spans``, else the one
+    after the prompt."""
+    return record["spans"] if "spans" in record else [[record["prompt_len"], len(record["input_ids"])]]
 
 
 def iter_records(run_dir: Path) -> Iterator[dict]:
@@ -259,11 +269,13 @@ def run_regen(
     target = prepare_target(config.target, log)
     tokenizer = load_tokenizer(target)
 
+    longest = {source.name: (source.max_prompt_tokens, f"source {source.name}'s max_prompt_tokens") if source.max_prompt_tokens
+               else (regen.max_prompt_tokens, "regen.max_prompt_tokens") for source in regen.sources}
+
     def too_long(prompt: Prompt) -> str | None:
         length = len(chat_prompt_ids(tokenizer, prompt.messages, config.target.thinking))
-        if length > regen.max_prompt_tokens:
-            return f"prompt has {length} tokens, over regen.max_prompt_tokens={regen.max_prompt_tokens}"
-        return None
+        limit, key = longest[prompt.source]
+        return f"prompt has {length} tokens, over {key}={limit}" if length > limit else None
 
     prompts, source_skips = plan_prompts(regen, limit, log, unusable=too_long)
     if not prompts:
@@ -298,7 +310,7 @@ def run_regen(
                 for c in mine:
                     for records in _run_chunk(c, chunks[c], chunks_dir, generator, tokenizer, config, regen):
                         done += len(records)
-                        new_tokens += sum(len(r["input_ids"]) - r["prompt_len"] for r in records if "error" not in r and r.get("labels") != "target")
+                        new_tokens += sum(e - s for r in records if "error" not in r and r.get("labels") != "target" for s, e in spans_of(r))
                         rate = new_tokens / (time.time() - started)
                         bar.update(advance=len(records), description=f"regen {rate:.0f} tok/s")
                         stage.update(progress={"done": done, "total": len(prompts), "unit": "prompts"})
@@ -323,7 +335,8 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
         for b, batch in enumerate(batches):
             if b in finished:
                 continue
-            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b), tokenizer, regen)
+            records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b), tokenizer,
+                                      regen, config.target.thinking)
             out.write(json.dumps({"batch": b, "records": records}) + "\n")
             out.flush()
             os.fsync(out.fileno())
@@ -354,28 +367,76 @@ def _seed(seed: int, chunk: int, batch: int) -> int:
     return (seed * 1_000_003 + chunk * 1009 + batch) % 2**31
 
 
-def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, seed: int, tokenizer, regen: RegenConfig) -> list[dict]:
+def _generate_batch(prompts: list[Prompt], prompt_ids: list[list[int]], generator, seed: int, tokenizer, regen: RegenConfig,
+                    thinking: bool) -> list[dict]:
     """Records for a batch: the target writes the responses, except those whose source keeps its original
     (marked ``labels: target``: training takes their labels from the target's pass, not from the text)."""
     rewrite = [i for i, p in enumerate(prompts) if not p.keep_original]
-    results = dict(zip(rewrite, generator.generate([prompt_ids[i] for i in rewrite], [prompts[i].messages for i in rewrite], seed) if rewrite else []))
+    written = _write(prompts, prompt_ids, rewrite, generator, seed, tokenizer, regen, thinking)
     records = []
     for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        result = results[i] if i in results else _original_completion(prompt.original, len(ids), tokenizer, regen)
-        if isinstance(result, str):
-            records.append({"id": prompt.id, "source": prompt.source, "error": result})
+        turns = written[i] if i in written else [(prompt.messages, ids, _original_completion(prompt.original, len(ids), tokenizer, regen))]
+        if isinstance(turns, str):
+            records.append({"id": prompt.id, "source": prompt.source, "error": turns})
             continue
+        messages, last_ids, last = turns[-1]
         record = {
             "id": prompt.id,
             "source": prompt.source,
-            "messages": prompt.messages,
-            "response": result.text,
-            "input_ids": ids + result.token_ids,
+            "messages": messages,
+            "response": last.text,
+            "input_ids": last_ids + last.token_ids,
             "prompt_len": len(ids),
-            "finish_reason": result.finish_reason,
+            "finish_reason": last.finish_reason,
         }
+        if len(turns) > 1:
+            record["spans"] = written_spans(record["input_ids"], [(turn_ids, completion.token_ids) for _, turn_ids, completion in turns])
         records.append(record | ({"labels": "target"} if prompt.keep_original else {}))
     return records
+
+
+def _write(prompts: list[Prompt], prompt_ids: list[list[int]], rows: list[int], generator, seed: int, tokenizer, regen: RegenConfig,
+           thinking: bool) -> dict[int, list[tuple[list[dict], list[int], Completion]] | str]:
+    """The target's replies to ``prompts[rows]``, turn by turn: turn t of every trace that has one in one call of the
+    generator, after the messages that follow the trace's previous reply (tool results, the user's next message).
+    A trace ends early where its context leaves no room for a reply.  → row → its turns as (messages, prompt ids,
+    completion), or the error that stopped it."""
+    conversations = {i: list(prompts[i].messages) for i in rows}
+    ids = {i: prompt_ids[i] for i in rows}
+    written: dict[int, list | str] = {i: [] for i in rows}
+    active = list(rows)
+    for turn in range(1 + max((len(prompts[i].later_turns) for i in rows), default=0)):
+        if turn:
+            active = [i for i in active if turn <= len(prompts[i].later_turns)]
+            for i in active:
+                conversations[i] += prompts[i].later_turns[turn - 1]
+                ids[i] = chat_prompt_ids(tokenizer, conversations[i], thinking)
+            active = [i for i in active if len(ids[i]) < regen.max_length]
+        if not active:
+            break
+        results = generator.generate([ids[i] for i in active], [conversations[i] for i in active], seed + turn * 10_007)
+        for i, result in zip(active, results):
+            if isinstance(result, str):
+                written[i] = result
+                continue
+            written[i].append((list(conversations[i]), ids[i], result))
+            conversations[i].append({"role": "assistant", "content": result.text})
+        active = [i for i in active if not isinstance(written[i], str)]
+    return written
+
+
+def written_spans(input_ids: list[int], turns: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+    """The ``[start, end)`` ranges of a trace's ``input_ids`` that hold the target's replies as it wrote them.
+    ``turns``: each reply's (prompt ids, reply ids).  A reply is re-read from its text by the next turn's chat
+    template: its span ends where ``input_ids`` stops matching the ids the target wrote (a reply whose prompt is not
+    a prefix of the trace has none)."""
+    spans = []
+    for prompt, reply in turns:
+        written = prompt + reply
+        end = next((n for n, (a, b) in enumerate(zip(input_ids, written)) if a != b), min(len(input_ids), len(written)))
+        if end > len(prompt):
+            spans.append([len(prompt), end])
+    return spans
 
 
 def _original_completion(text: str, prompt_tokens: int, tokenizer, regen: RegenConfig) -> Completion:
@@ -402,7 +463,7 @@ def _finalize(stage: Stage, chunks, chunks_dir: Path, source_skips: list[Skipped
             else:
                 records += 1
                 original += record.get("labels") == "target"
-                tokens += len(record["input_ids"]) - record["prompt_len"]
+                tokens += sum(e - s for s, e in spans_of(record))
     atomic_write_text(stage.dir / "skipped.jsonl", "".join(json.dumps(s) + "\n" for s in skipped))
     if records == 0:
         raise DliteError(f"regen produced no records: all prompts were skipped or failed (reasons in {stage.dir / 'skipped.jsonl'})")

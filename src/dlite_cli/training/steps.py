@@ -11,6 +11,7 @@ from ..core.config import TrainConfig
 from ..models.model import FULL_HISTORY, DrafterSpec
 from .features import Sequence
 from .losses import cross_entropy, forward_kl, stable_loss
+from .regen import spans_of
 
 
 @dataclass
@@ -43,8 +44,14 @@ def stage_plan(name: str, train: TrainConfig) -> StagePlan:
 
 
 def valid_anchors(sequence: Sequence) -> torch.Tensor:
-    """Response positions a with a pivot a−1 and at least one label a+1 → (n,)."""
-    return torch.arange(max(sequence.prompt_len, 1), len(sequence.input_ids) - 1)
+    """Response positions a with a pivot a−1 and at least one label a+1 in the same response → (n,)."""
+    return torch.cat([torch.arange(max(start, 1), end - 1) for start, end in sequence.responses()])
+
+
+def response_ends(sequence: Sequence, anchors: torch.Tensor) -> torch.Tensor:
+    """(B,) the end of the response each anchor lies in: its labels stop there (a trace's next turn is not the target's)."""
+    starts, ends = torch.tensor(sequence.responses()).T.contiguous()
+    return ends[torch.searchsorted(starts, anchors, right=True) - 1]
 
 
 def sample_anchors(sequence: Sequence, count: int, seed: int) -> torch.Tensor:
@@ -68,7 +75,7 @@ class AnchorBatch:
     top_ids: torch.Tensor  # (B, K, k)
     history: dict  # W ≠ 0: Drafter.history's arguments (features (1, T, S·H), mask (B, T), anchors (B,)); else empty
 
-    def to(self, device) -> "AnchorBatch":
+    def to(self, device) -> AnchorBatch:
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if f.name != "history"}
         return AnchorBatch(**moved, history={k: v.to(device) for k, v in self.history.items()})
 
@@ -92,7 +99,7 @@ def anchor_batch(sequence: Sequence, anchors: torch.Tensor, k: int, window: int,
     length = len(sequence.input_ids)
     offsets = torch.arange(k)
     label_positions = anchors[:, None] + 1 + offsets  # (B, K)
-    valid = label_positions < length
+    valid = label_positions < response_ends(sequence, anchors)[:, None]
     p_positions = (anchors[:, None] + offsets).clamp(max=length - 1)
     if sequence.labels_from_target:
         # The text is not the target's: label i is the target's argmax after x_≤a+i−1, which is the
@@ -135,8 +142,9 @@ def frequent_tokens(items: list, count: int, vocab_size: int) -> torch.Tensor:
     most frequent first: the draft vocabulary."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for item in items:
-        ids, start = (item.input_ids, item.prompt_len) if isinstance(item, Sequence) else (torch.tensor(item["input_ids"]), item["prompt_len"])
-        counts += torch.bincount(ids[start:].long(), minlength=vocab_size)
+        ids, spans = (item.input_ids, item.responses()) if isinstance(item, Sequence) else (torch.tensor(item["input_ids"]), spans_of(item))
+        for start, end in spans:
+            counts += torch.bincount(ids[start:end].long(), minlength=vocab_size)
     return counts.sort(descending=True, stable=True).indices[:count]
 
 
