@@ -8,7 +8,7 @@ from dlite_cli.core.errors import DliteError
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec, History, grouped_attention, select_layers
 from dlite_cli.models.release import load_drafter
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.training.features import LayerCapture, Sequence, length_batches, target_pass
+from dlite_cli.training.features import FeatureCache, LayerCapture, Sequence, length_batches, target_pass
 from dlite_cli.training.losses import position_weights
 from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
@@ -196,6 +196,15 @@ def test_labels_of_a_kept_original_response_are_the_targets_own_while_the_text_f
     assert batch.labels.tolist() == [[12, 99, -100, -100], [14, 15, -100, -100]]
     regenerated = anchor_batch(Sequence(input_ids, 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), top_ids), torch.tensor([1]), K, 0)
     assert regenerated.labels.tolist() == [[12, 13, 14, 15]]  # the target wrote the text itself: labels are the text
+
+
+def test_the_feature_cache_keeps_each_sequences_response_spans(tmp_path):
+    cache = FeatureCache(tmp_path)
+    cache.stage.begin("digest", {"layers": [0, 1, 2], "top_k": 2}, {}, False)
+    trace = Sequence(torch.arange(12), 2, torch.zeros(12, 3, 8), torch.full((12, 2), 0.5), torch.zeros(12, 2).int(), spans=[[2, 5], [8, 12]])
+    chat = Sequence(torch.arange(6), 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), torch.zeros(6, 2).int())
+    cache._write_shard(0, [trace, chat])
+    assert [s.responses() for s in cache.load(require_done=False)] == [[[2, 5], [8, 12]], [[1, 6]]]
 
 
 def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length():

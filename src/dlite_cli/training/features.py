@@ -211,15 +211,14 @@ class FeatureCache:
                 shard["features"] = shard["features"][:, columns]
             starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
             from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
-            spans = shard["spans"].tolist() if "spans" in shard else []
-            counts = shard["span_counts"].tolist() if "span_counts" in shard else [0] * len(starts)  # a cache from before spans: one response each
-            firsts = [sum(counts[:i]) for i in range(len(counts))]
-            for start, length, prompt_len, flag, first, count in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
-                                                                     from_target, firsts, counts):
+            # each sequence's response spans; a cache from before spans holds none: one response each, after the prompt
+            spans = [s.tolist() for s in shard["spans"].split(shard["span_counts"].tolist())] if "spans" in shard else [[]] * len(starts)
+            for start, length, prompt_len, flag, responses in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
+                                                                  from_target, spans):
                 end = start + length
                 sequences.append(
                     Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
-                             shard["top_ids"][start:end], flag, spans[first : first + count])
+                             shard["top_ids"][start:end], flag, responses)
                 )
         return sequences
 
