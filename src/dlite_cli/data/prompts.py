@@ -59,13 +59,14 @@ class Prompt:
 
 
 def plan_prompts(
-    regen: RegenConfig, limit: int | None = None, log=print, unusable: Callable[[Prompt], str | None] = lambda p: None
+    regen: RegenConfig, limit: int | None = None, log=print,
+    unusable: Callable[[Prompt, SourceConfig], str | None] = lambda prompt, source: None,
 ) -> tuple[list[Prompt], list[Skipped]]:
     """The ordered prompt list of a regen run: ``count`` usable training prompts per source, shuffled with the seed,
     the multi-turn traces after the rest.
 
-    ``unusable(prompt)`` returns why a prompt cannot be used (e.g. too long for
-    the target), or None.  Returns the prompts (first ``limit`` only, if given)
+    ``unusable(prompt, source)`` returns why a prompt of ``source`` cannot be used
+    (e.g. too long for the target), or None.  Returns the prompts (first ``limit`` only, if given)
     and the malformed, duplicate or unusable records skipped on the way.
     """
     prompts: list[Prompt] = []
@@ -80,7 +81,7 @@ def plan_prompts(
     return prompts[:limit] if limit is not None else prompts, skipped
 
 
-def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prompt], str | None], earlier: set[str]) -> list[Prompt]:
+def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prompt, SourceConfig], str | None], earlier: set[str]) -> list[Prompt]:
     """Up to ``source.count`` usable training prompts of ``source``, none of them among ``earlier`` (taken
     by an earlier source)."""
     seen: set[str] = set()
@@ -94,7 +95,7 @@ def _take(source: SourceConfig, skipped: list[Skipped], unusable: Callable[[Prom
             continue
         elif source.responses == "original" and not (item.original or "").strip():
             skipped.append(Skipped(item.id, source.name, "no original response to keep"))
-        elif reason := unusable(item):
+        elif reason := unusable(item, source):
             skipped.append(Skipped(item.id, source.name, reason))
         else:
             seen.add(item.id)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..core.artifacts import Stage
-from ..core.config import Config, RegenConfig, config_hash
+from ..core.config import Config, RegenConfig, SourceConfig, config_hash
 from ..core.devices import resolve_device
 from ..core.errors import DliteError
 from ..core.files import atomic_write_text
@@ -269,12 +269,10 @@ def run_regen(
     target = prepare_target(config.target, log)
     tokenizer = load_tokenizer(target)
 
-    longest = {source.name: (source.max_prompt_tokens, f"source {source.name}'s max_prompt_tokens") if source.max_prompt_tokens
-               else (regen.max_prompt_tokens, "regen.max_prompt_tokens") for source in regen.sources}
-
-    def too_long(prompt: Prompt) -> str | None:
+    def too_long(prompt: Prompt, source: SourceConfig) -> str | None:
         length = len(chat_prompt_ids(tokenizer, prompt.messages, config.target.thinking))
-        limit, key = longest[prompt.source]
+        limit, key = ((source.max_prompt_tokens, f"source {source.name}'s max_prompt_tokens") if source.max_prompt_tokens
+                      else (regen.max_prompt_tokens, "regen.max_prompt_tokens"))
         return f"prompt has {length} tokens, over {key}={limit}" if length > limit else None
 
     prompts, source_skips = plan_prompts(regen, limit, log, unusable=too_long)
