@@ -44,7 +44,7 @@ def test_every_table_in_every_format_and_the_plots(bench_dir):
     for table in TABLES + ("details",):
         for ext in ("md", "csv", "json", "tex"):
             assert (bench_dir / f"{table}.{ext}").stat().st_size > 0
-    for plot in ("tau_vs_context.png", "tau_vs_context_agentic.png", "throughput_vs_concurrency.png", "acceptance_by_position.png"):
+    for plot in ("tau_vs_context.png", "tau_vs_context_by_workload.png", "throughput_vs_concurrency.png", "acceptance_by_position.png"):
         assert (bench_dir / plot).read_bytes()[:4] == b"\x89PNG"
     summary = (bench_dir / "summary.md").read_text()
     assert all(f"({t}.md)" in summary for t in TABLES)
@@ -75,12 +75,13 @@ def test_tables_have_the_papers_columns_and_rows_beside_ours(bench_dir):
     assert {(r["method"], r["concurrency"]) for r in table4["rows"] if r["target"] == "micro"} == {(m, c) for m in ("ar", "ngram", "mydrafter") for c in (1, 2)}
 
 
-def test_tau_against_context_is_binned_within_each_agentic_workload(bench_dir):
-    """Each agentic workload's turns apart, per drafting method: the bins add up to the method's turns there."""
+def test_tau_against_context_is_binned_within_each_long_and_agentic_workload(bench_dir):
+    """Each long-context and agentic workload's turns apart, per drafting method: the bins add up to the method's turns
+    there."""
     table = json.loads((bench_dir / "tau_by_context.json").read_text())
     rows = table["rows"]
     assert {r["method"] for r in rows} == {"ngram", "mydrafter"}  # plain decoding left out
-    assert "ToolTalk" in {r["workload"] for r in rows} <= {w.title for w in BY_NAME.values() if w.suite == "agentic"}
+    assert {"ToolTalk", "Code Repo"} <= {r["workload"] for r in rows} <= {w.title for w in BY_NAME.values() if w.suite in ("long", "agentic")}
     results = [r for r in lines(bench_dir / "results.jsonl") if r["workload"] == "tooltalk" and r["method"] == "mydrafter"]
     turns = [t for r in results for t in r["turns"] if "skipped" not in t and t["rounds"]]
     mine = [r for r in rows if r["workload"] == "ToolTalk" and r["method"] == "mydrafter"]

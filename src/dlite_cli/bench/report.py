@@ -4,7 +4,7 @@
     table2_longbench_v2     speedup and τ on the LongBench v2 subsets
     table3_agentic          speedup and τ on the agentic workloads
     table4_throughput       tokens/s and speedup vs autoregressive at each concurrency
-    tau_by_context          τ and first-position acceptance against context, within each agentic workload
+    tau_by_context          τ and first-position acceptance against context, within each long-context and agentic workload
 
 Each is written as Markdown, CSV, JSON and LaTeX into the plan's folder (bench.py), through pandas.  Every row names its
 target, method, drafter checkpoint and hardware; the paper's rows come from
@@ -28,7 +28,7 @@ from ..decoding.methods import parse_method
 
 PAPER_METHOD = {"DLite": "dlite"}  # paper method names that are ours too
 CONTEXT_BINS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-PLOTS = ("tau_vs_context.png", "tau_vs_context_agentic.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
+PLOTS = ("tau_vs_context.png", "tau_vs_context_by_workload.png", "throughput_vs_concurrency.png", "acceptance_by_position.png")
 RESAMPLES = 2000  # bootstrap resamples of a workload's episodes behind a speedup's interval
 
 
@@ -168,11 +168,12 @@ def tau_by_context(results: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return {m: [(b, c / r) for b, (c, r) in sorted(bins.items())] for m, bins in pooled.items()}
 
 
-def agentic_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
-    """:func:`by_context` within the agentic workloads, for the methods that draft, workloads in the registry's order.
-    Content and context are not confounded here as in the pooled τ vs context: each workload's turns are binned apart."""
+def within_workload_by_context(results: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """:func:`by_context` within each workload of the suites whose contexts span the bins (long-context and agentic),
+    for the methods that draft, workloads in the registry's order.  Content and context are not confounded here as in
+    the pooled τ vs context: each workload's turns are binned apart."""
     cells = {key: cell for key, cell in by_context(results).items()
-             if BY_NAME[key[0]].suite == "agentic" and parse_method(key[1]).drafter != "none"}
+             if BY_NAME[key[0]].suite in ("long", "agentic") and parse_method(key[1]).drafter != "none"}
     return dict(sorted(cells.items(), key=lambda item: (list(BY_NAME).index(item[0][0]), item[0][1], item[0][2])))
 
 
@@ -232,7 +233,7 @@ SPEEDUP_NOTE = ("speedup = autoregressive decode time per token / the method's (
 
 def build_tables(results: list[dict], throughput: list[dict], unavailable: dict, target: str, hardware: str) -> list[Table]:
     """Tables 1-3 (a suite's workloads, a column per workload and metric) and Table 4 (throughput), each with the
-    paper's published rows, and τ against context within each agentic workload."""
+    paper's published rows, and τ against context within each long-context and agentic workload."""
     stats, paper = aggregate(results), paper_results()
     methods = list(dict.fromkeys(r["method"] for r in results))
     tables = [suite_table(spec, stats, methods, unavailable, target, hardware, paper) for spec in SUITE_TABLES]
@@ -312,11 +313,11 @@ def throughput_table(throughput: list[dict], stats: dict, target: str, hardware:
 
 
 def context_table(results: list[dict], target: str, hardware: str) -> Table:
-    """τ and first-position acceptance against context within each agentic workload (:func:`agentic_by_context`): a row
-    per (workload, drafting method, context bin)."""
-    table = Table("tau_by_context", "τ against context, within each agentic workload",
+    """τ and first-position acceptance against context within each long-context and agentic workload
+    (:func:`within_workload_by_context`): a row per (workload, drafting method, context bin)."""
+    table = Table("tau_by_context", "τ against context, within each long-context and agentic workload",
                   ["target", "hardware", "workload", "method", "context tokens", "turns", "rounds", "tau", "first-position acceptance"])
-    for (workload, method, bound), cell in agentic_by_context(results).items():
+    for (workload, method, bound), cell in within_workload_by_context(results).items():
         lower = max((b for b in CONTEXT_BINS if b < bound), default=0)
         table.rows.append({"target": target, "hardware": hardware, "workload": BY_NAME[workload].title, "method": method,
                            "context tokens": f"{lower + 1}–{bound}", "turns": cell["turns"], "rounds": cell["rounds"],
@@ -343,7 +344,7 @@ def write_plots(directory: Path, results: list[dict], throughput: list[dict]) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plots = [_tau_plot(plt, results), _agentic_plot(plt, results), _throughput_plot(plt, throughput), _acceptance_plot(plt, results)]
+    plots = [_tau_plot(plt, results), _workload_context_plot(plt, results), _throughput_plot(plt, throughput), _acceptance_plot(plt, results)]
     written = [_save(figure, directory / name) for figure, name in filter(None, plots)]
     plt.close("all")
     return written
@@ -363,21 +364,22 @@ def _tau_plot(plt, results: list[dict]):
     return figure, "tau_vs_context.png"
 
 
-def _agentic_plot(plt, results: list[dict]):
-    """τ against context within each agentic workload, a panel each: (figure, file name), or None without data."""
-    agentic = agentic_by_context(results)
-    workloads = list(dict.fromkeys(w for w, _, _ in agentic))
+def _workload_context_plot(plt, results: list[dict]):
+    """τ against context within each long-context and agentic workload, a panel each: (figure, file name), or None
+    without data."""
+    cells = within_workload_by_context(results)
+    workloads = list(dict.fromkeys(w for w, _, _ in cells))
     if not workloads:
         return None
     figure, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 4), squeeze=False)
     for axis, workload in zip(axes[0], workloads):
-        for method in dict.fromkeys(m for w, m, _ in agentic if w == workload):
-            points = [(b, c["committed"] / c["rounds"]) for (w, m, b), c in agentic.items() if w == workload and m == method]
+        for method in dict.fromkeys(m for w, m, _ in cells if w == workload):
+            points = [(b, c["committed"] / c["rounds"]) for (w, m, b), c in cells.items() if w == workload and m == method]
             axis.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
         axis.set(xlabel="context tokens (bin upper bound)", ylabel="τ", title=BY_NAME[workload].title)
-        _plain_log_ticks(axis, sorted({b for w, _, b in agentic if w == workload}))
+        _plain_log_ticks(axis, sorted({b for w, _, b in cells if w == workload}))
     axes[0][0].legend()
-    return figure, "tau_vs_context_agentic.png"
+    return figure, "tau_vs_context_by_workload.png"
 
 
 def _throughput_plot(plt, throughput: list[dict]):
