@@ -212,6 +212,23 @@ def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length():
     assert length_batches([100, 120, 5000, 90, 4000, 110], 8) == [[3, 0, 5, 1], [4, 2]]
 
 
+def test_a_feature_pass_computes_p_t_where_training_reads_it_and_nowhere_else(target):
+    """A trace of 24 tokens with replies [5, 9) and [14, 20): p^T from position 4 to 8 and 13 to 19, as the full LM head
+    gives it there; zeros over the prompt, the tool result and the tail."""
+    ids = list(range(10, 34))
+    capture = LayerCapture(target, select_layers(target.config.num_hidden_layers, 3))
+    try:
+        sequence = target_pass(target, capture, [{"input_ids": ids, "prompt_len": 5, "spans": [[5, 9], [14, 20]]}], top_k=8)[0]
+    finally:
+        capture.remove()
+    read = torch.tensor([4, 5, 6, 7, 8, 13, 14, 15, 16, 17, 18, 19])
+    with torch.no_grad():
+        probs, top = torch.softmax(target(torch.tensor([ids], device=DEVICE)).logits[0].float(), -1).topk(8, -1)
+    assert torch.allclose(sequence.top_probs[read], probs[read].cpu(), atol=1e-5) and torch.equal(sequence.top_ids[read], top[read].int().cpu())
+    skipped = torch.ones(24, dtype=torch.bool).index_fill_(0, read, False)
+    assert not sequence.top_probs[skipped].any() and not sequence.top_ids[skipped].any() and sequence.features.shape[0] == 24
+
+
 def test_anchors_and_labels_of_a_trace_stay_inside_its_replies():
     """A trace of 12 tokens whose target-written replies are [2, 5) and [8, 12): positions 5-7 are a tool result.
     Anchors have a pivot and a label inside their reply; an anchor's labels stop at its reply's end."""

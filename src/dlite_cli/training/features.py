@@ -5,7 +5,7 @@ pass gives, per position t:
 
     features   (T, S, H)  outputs of the S selected decoder layers (forward hooks, nothing else kept)
     top_probs  (T, k)     the k largest probabilities of p^T(· | x_≤t), the target's next-token distribution
-    top_ids    (T, k)     their token ids
+    top_ids    (T, k)     their token ids (these two from the position before each response to its end; zeros elsewhere)
 
 An anchor a (a response token) then yields: context = features[a−1] (the pivot),
 the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.  A multi-turn
@@ -85,7 +85,9 @@ class LayerCapture:
 @torch.no_grad()
 def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
     """Run the target over regen records (``input_ids``, ``prompt_len``, ``spans``, ``labels``; one right-padded batch): each
-    Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host."""
+    Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host.
+    p^T is computed where training reads it, from the position before each response to its end (zeros elsewhere): the LM
+    head and its top-k are skipped over prompts and tool results, most of an agent trace."""
     width = max(len(r["input_ids"]) for r in records)
     input_ids = torch.zeros(len(records), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -93,14 +95,17 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
         input_ids[row, : len(record["input_ids"])] = torch.tensor(record["input_ids"])
         attention_mask[row, : len(record["input_ids"])] = 1
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+    hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state  # (B, W, H)
     features = capture.stacked()
     out = []
     for row, record in enumerate(records):
         length = len(record["input_ids"])
-        probs, top = torch.softmax(logits[row, :length].float(), dim=-1).topk(top_k, dim=-1)
-        out.append(Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), probs.cpu(),
-                            top.int().cpu(), record.get("labels") == "target", spans_of(record)))
+        sequence = Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), torch.zeros(length, top_k),
+                            torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
+        read = torch.cat([torch.arange(max(start - 1, 0), end) for start, end in sequence.responses()])
+        probs, top = torch.softmax(model.get_output_embeddings()(hidden[row, read.to(device)]).float(), dim=-1).topk(top_k, dim=-1)
+        sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
+        out.append(sequence)
     return out
 
 
