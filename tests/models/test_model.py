@@ -207,9 +207,9 @@ def test_the_feature_cache_keeps_each_sequences_response_spans(tmp_path):
     assert [s.responses() for s in cache.load(require_done=False)] == [[[2, 5], [8, 12]], [[1, 6]]]
 
 
-def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length():
-    assert length_batches([100, 120, 5000, 90, 4000, 110], 2) == [[3, 0], [5, 1], [4, 2]]
-    assert length_batches([100, 120, 5000, 90, 4000, 110], 8) == [[3, 0, 5, 1], [4, 2]]
+def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length_and_passes_a_trace_alone():
+    assert length_batches([100, 120, 5000, 90, 4000, 110], 2) == [[3, 0], [5, 1], [4], [2]]
+    assert length_batches([100, 120, 5000, 90, 4000, 110, 700, 1000], 8) == [[3, 0, 5, 1], [6, 7], [4], [2]]
 
 
 def test_a_feature_pass_computes_p_t_where_training_reads_it_and_nowhere_else(target):
