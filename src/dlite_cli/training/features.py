@@ -58,6 +58,10 @@ class Sequence:
         """The [start, end) ranges of the tokens the drafter learns to propose: the responses."""
         return self.spans or [[self.prompt_len, len(self.input_ids)]]
 
+    def scored_positions(self) -> torch.Tensor:
+        """The positions whose p^T training reads: from the one before each response to its end → (n,)."""
+        return torch.cat([torch.arange(max(start - 1, 0), end) for start, end in self.responses()])
+
 
 class LayerCapture:
     """Forward hooks that keep the outputs of the target's decoder layers ``layer_ids`` during one pass
@@ -106,7 +110,7 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
         length = len(record["input_ids"])
         sequence = Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), torch.zeros(length, top_k),
                             torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
-        read = torch.cat([torch.arange(max(start - 1, 0), end) for start, end in sequence.responses()])
+        read = sequence.scored_positions()
         probs, top = torch.softmax(model.get_output_embeddings()(hidden[row, read.to(device)]).float(), dim=-1).topk(top_k, dim=-1)
         sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
         out.append(sequence)
@@ -180,7 +184,7 @@ class FeatureCache:
 
     def _dropped_mass(self) -> dict:
         """How much of p^T the top-k leaves out, over the response positions of every sequence."""
-        dropped = torch.cat([dropped_mass(s.top_probs[max(start - 1, 0) : end]) for s in self.load(require_done=False) for start, end in s.responses()])
+        dropped = torch.cat([dropped_mass(s.top_probs[s.scored_positions()]) for s in self.load(require_done=False)])
         return {"mean": round(dropped.mean().item(), 5), "p99": round(dropped.quantile(0.99).item(), 5)}
 
     def _shard_path(self, index: int) -> Path:
