@@ -98,6 +98,9 @@ def regen(
     top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Nucleus sampling mass.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Most new tokens per response.")] = None,
     thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Qwen3 thinking mode.")] = None,
+    reuse_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
+        "Take the records another run's regen already wrote for prompts of this plan instead of generating them again"
+        " (the same target, sampling and max-new-tokens; a mix that grows regenerates only what is new)."))] = None,
     force: ForceOption = False,
 ) -> None:
     """Regenerate the training responses with the target model (resumable, shardable)."""
@@ -120,6 +123,7 @@ def regen(
         concurrency=concurrency,
         model_name=model,
         force=force,
+        reuse_from=reuse_from,
         log=log,
     )
 

@@ -82,6 +82,29 @@ def test_shards_are_disjoint_and_complete(micro_run, run_cli, tmp_path):
     assert both == chunk_records(full)  # together: exactly the unsharded records
 
 
+def test_reuse_from_takes_the_records_a_smaller_mix_wrote_and_generates_only_the_rest(micro_run, run_cli, tmp_path):
+    full = chunk_records(micro_run.directory)  # the whole micro plan: 24 regenerated + 8 originals
+    cpu = ("--set", "target.device=cpu")
+    small, grown = tmp_path / "small", tmp_path / "grown"
+    run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(small), "--set", "regen.sources=[{name: stdlib-code, count: 12}]")
+    chunk = sorted((small / "regen" / "chunks").glob("*.jsonl"))[0]
+    lines = [json.loads(line) for line in chunk.read_text().splitlines()]
+    marked = lines[0]["id"]
+    lines[0]["response"] = "written by the smaller run"  # the grown run must carry it, not write it again
+    chunk.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    result = run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(grown), "--reuse-from", str(small))
+    assert "reused 12 records" in result.stderr and manifest(grown)["reused"] == {"from": str(small), "records": 12}
+    records = chunk_records(grown)
+    assert records[marked]["response"] == "written by the smaller run"
+    del records[marked], full[marked]
+    assert records == full  # the smaller run's 12 spread over the grown plan's chunks; the rest generated as a fresh run would
+    assert not list((grown / "regen" / "chunks").glob("*.partial"))
+
+    refused = run_cli("regen", "--target", "micro", "--run-dir", str(tmp_path / "other"), "--max-new-tokens", "8", "--reuse-from", str(small), check=False)
+    assert refused.returncode == 2 and "regen.max_new_tokens 16 there, 8 here" in refused.stderr
+
+
 def test_kill_9_then_resume_equals_an_uninterrupted_run(run_cli, cache_dir, tmp_path):
     options = ["--target", "micro", "--max-new-tokens", "96"]
     reference = tmp_path / "reference"

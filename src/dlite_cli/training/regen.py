@@ -20,7 +20,10 @@ finished batch is appended to ``chunks/NNNNN.partial`` as one JSON line and the
 file is renamed to ``.jsonl`` when the chunk is complete.  A killed run resumes
 from the last whole batch, and because batches and sampling seeds are fixed by
 the plan, the final records equal those of an uninterrupted run.  ``--shard i/n``
-gives worker i the chunks c with c % n == i.
+gives worker i the chunks c with c % n == i.  ``--reuse-from DIR`` takes another run's
+records for the prompts it already answered (a mix that grows regenerates only what is
+new): they are the chunk's first line of ``.partial`` (``"batch": "reused"``), and the
+chunk's batches are cut from the prompts left.
 """
 
 from __future__ import annotations
@@ -260,6 +263,7 @@ def run_regen(
     concurrency: int = 16,
     model_name: str | None = None,
     force: bool = False,
+    reuse_from: Path | None = None,
     log=print,
 ) -> dict:
     """Run (or resume) this worker's part of the regen stage; return the manifest's summary."""
@@ -280,6 +284,7 @@ def run_regen(
         reason = f" (first skip: {source_skips[0].reason})" if source_skips else ""
         raise DliteError(f"regen has no prompts to run: the configured sources gave no usable prompt{reason}")
     plan_digest = hashlib.sha256("\n".join(p.id for p in prompts).encode()).hexdigest()[:16]
+    written = _records_of(reuse_from, config, target.fingerprint) if reuse_from is not None else None  # before --force wipes it
     stage = Stage(run_dir, "regen")
     stage_hash = config_hash(config.target.identity(), regen, {"limit": limit, "plan": plan_digest})
     inputs = {"target": target.fingerprint, "prompts": plan_digest, "sources": [s.name for s in regen.sources]}
@@ -291,8 +296,13 @@ def run_regen(
     chunks_dir = stage.dir / "chunks"
     chunks_dir.mkdir(exist_ok=True)
     chunks = [prompts[i : i + regen.chunk_size] for i in range(0, len(prompts), regen.chunk_size)]
+    if written is not None:
+        reused = _reuse(written, chunks, chunks_dir, shard, tokenizer, config)
+        stage.update(reused={"from": str(reuse_from), "records": reused})
+        log(f"reused {reused} records of {reuse_from}")
     mine = [c for c in range(len(chunks)) if c % shard[1] == shard[0] and not _chunk_path(chunks_dir, c).exists()]
     done = sum(len(chunks[c]) for c in range(len(chunks)) if _chunk_path(chunks_dir, c).exists())
+    done += sum(len(records) for c in mine for records in _read_partial(_partial_path(chunks_dir, c)).values())
     if mine:
         device = resolve_device(config.target.device)
         model = load_model(target, config.target.dtype, device, log, Work("batched", regen.batch_size)) if regen.backend in ("hf", "dlite") else None
@@ -322,13 +332,18 @@ def _chunk_path(chunks_dir: Path, chunk: int) -> Path:
     return chunks_dir / f"{chunk:05d}.jsonl"
 
 
+def _partial_path(chunks_dir: Path, chunk: int) -> Path:
+    return chunks_dir / f"{chunk:05d}.partial"
+
+
 def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) -> Iterator[list[dict]]:
     """Generate one chunk batch by batch, appending finished batches; yield each new batch's records."""
-    tokenized = [chat_prompt_ids(tokenizer, p.messages, config.target.thinking) for p in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: (len(tokenized[i]), prompts[i].id))
-    batches = [order[i : i + regen.batch_size] for i in range(0, len(order), regen.batch_size)]
-    partial = chunks_dir / f"{chunk:05d}.partial"
+    partial = _partial_path(chunks_dir, chunk)
     finished = _read_partial(partial)
+    reused = {r["id"] for r in finished.get("reused", [])}
+    tokenized = [chat_prompt_ids(tokenizer, p.messages, config.target.thinking) for p in prompts]
+    order = sorted((i for i in range(len(prompts)) if prompts[i].id not in reused), key=lambda i: (len(tokenized[i]), prompts[i].id))
+    batches = [order[i : i + regen.batch_size] for i in range(0, len(order), regen.batch_size)]
     with partial.open("a") as out:
         for b, batch in enumerate(batches):
             if b in finished:
@@ -346,8 +361,60 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
     partial.unlink()
 
 
-def _read_partial(partial: Path) -> dict[int, list[dict]]:
-    """Batches a killed run finished; a torn last line (the kill mid-write) is dropped."""
+def _records_of(run_dir: Path, config: Config, fingerprint: str) -> tuple[dict[str, dict], int]:
+    """The records of another run's finished regen chunks, by id, and the ``regen.max_length`` they were written
+    under.  Refused unless the same target wrote them with the same sampling and ``max_new_tokens``."""
+    manifest = Stage(run_dir, "regen").manifest()
+    if manifest is None:
+        raise DliteError(f"--reuse-from {run_dir}: it has no regen stage to reuse")
+    theirs, ours = manifest["config"], {"target": config.target.identity(), "regen": dataclasses.asdict(config.regen)}
+    same = {
+        "target": ({k: v for k, v in theirs["target"].items() if k != "device"}, ours["target"]),
+        "target weights": (manifest["inputs"]["target"], fingerprint),
+        **{f"regen.{k}": (theirs["regen"][k], ours["regen"][k]) for k in ("temperature", "top_p", "seed", "max_new_tokens")},
+    }
+    differ = [f"{name} {a} there, {b} here" if name.startswith("regen") else name for name, (a, b) in same.items() if a != b]
+    if differ:
+        raise DliteError(f"--reuse-from {run_dir}: its records were written with a different " + "; ".join(differ))
+    records = {}
+    for chunk in sorted((run_dir / "regen" / "chunks").glob("*.jsonl")):
+        records.update((r["id"], r) for r in map(json.loads, chunk.read_text().splitlines()) if "error" not in r)
+    return records, theirs["regen"]["max_length"]
+
+
+def _reuse(written: tuple[dict[str, dict], int], chunks: list[list[Prompt]], chunks_dir: Path, shard, tokenizer, config: Config) -> int:
+    """Seed this shard's chunks that have not started with the ``written`` records of their prompts (a chunk that
+    they all cover is complete); return how many were taken.  A record is taken when it starts with the prompt's
+    ids and its length limit could not have cut it differently: the same ``max_length``, or a one-turn prompt
+    whose reply fits under both limits."""
+    records, their_max_length = written
+    room = min(their_max_length, config.regen.max_length) - config.regen.max_new_tokens
+
+    def taken(prompt: Prompt) -> dict | None:
+        record = records.get(prompt.id)
+        if record is None:
+            return None
+        ids = chat_prompt_ids(tokenizer, prompt.messages, config.target.thinking)
+        fits = their_max_length == config.regen.max_length or (not prompt.later_turns and len(ids) <= room)
+        return record if fits and record["input_ids"][: len(ids)] == ids else None
+
+    count = 0
+    for c, chunk in enumerate(chunks):
+        partial = _partial_path(chunks_dir, c)
+        if c % shard[1] != shard[0] or _chunk_path(chunks_dir, c).exists() or partial.exists():
+            continue
+        reused = [r for r in map(taken, chunk) if r is not None]
+        if len(reused) == len(chunk):
+            atomic_write_text(_chunk_path(chunks_dir, c), "".join(json.dumps(r) + "\n" for r in reused))
+        elif reused:
+            atomic_write_text(partial, json.dumps({"batch": "reused", "records": reused}) + "\n")
+        count += len(reused)
+    return count
+
+
+def _read_partial(partial: Path) -> dict[int | str, list[dict]]:
+    """Batches a killed run finished, and the records reused (key ``"reused"``); a torn last line (the kill
+    mid-write) is dropped."""
     finished = {}
     if partial.exists():
         for line in partial.read_text().splitlines():
