@@ -101,6 +101,13 @@ def test_reuse_from_takes_the_records_a_smaller_mix_wrote_and_generates_only_the
     assert records == full  # the smaller run's 12 spread over the grown plan's chunks; the rest generated as a fresh run would
     assert not list((grown / "regen" / "chunks").glob("*.partial"))
 
+    # under another max_length, a one-turn record is taken only where its reply fits under both limits
+    shorter = run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(tmp_path / "shorter"), "--set", "regen.max_length=140",
+                      "--set", "regen.max_prompt_tokens=130", "--reuse-from", str(small))
+    lengths = [r["prompt_len"] for r in chunk_records(small).values()]
+    planned, fits = sum(n <= 130 for n in lengths), sum(n + 16 <= 140 for n in lengths)
+    assert 0 < fits < planned and f"reused {fits} records" in shorter.stderr
+
     refused = run_cli("regen", "--target", "micro", "--run-dir", str(tmp_path / "other"), "--max-new-tokens", "8", "--reuse-from", str(small), check=False)
     assert refused.returncode == 2 and "regen.max_new_tokens 16 there, 8 here" in refused.stderr
 
