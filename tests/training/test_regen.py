@@ -87,7 +87,7 @@ def test_reuse_from_takes_the_records_a_smaller_mix_wrote_and_generates_only_the
     cpu = ("--set", "target.device=cpu")
     small, grown = tmp_path / "small", tmp_path / "grown"
     run_cli("regen", "--target", "micro", *cpu, "--run-dir", str(small), "--set", "regen.sources=[{name: stdlib-code, count: 12}]")
-    chunk = sorted((small / "regen" / "chunks").glob("*.jsonl"))[0]
+    chunk = min((small / "regen" / "chunks").glob("*.jsonl"))
     lines = [json.loads(line) for line in chunk.read_text().splitlines()]
     marked = lines[0]["id"]
     lines[0]["response"] = "written by the smaller run"  # the grown run must carry it, not write it again
