@@ -82,7 +82,12 @@ def iter_records(run_dir: Path) -> Iterator[dict]:
     manifest = stage.manifest()
     if manifest is None or manifest["status"] != "done":
         raise DliteError(f"no finished regen stage in {run_dir}: run `dlite regen` first")
-    for chunk in sorted((stage.dir / "chunks").glob("*.jsonl")):
+    yield from _chunk_records(stage.dir / "chunks")
+
+
+def _chunk_records(chunks_dir: Path) -> Iterator[dict]:
+    """The records of the finished chunks in ``chunks_dir``, in plan order, failed prompts left out."""
+    for chunk in sorted(chunks_dir.glob("*.jsonl")):
         with chunk.open() as f:
             for line in f:
                 record = json.loads(line)
@@ -376,10 +381,7 @@ def _records_of(run_dir: Path, config: Config, fingerprint: str) -> tuple[dict[s
     differ = [f"{name} {a} there, {b} here" if name.startswith("regen") else name for name, (a, b) in same.items() if a != b]
     if differ:
         raise DliteError(f"--reuse-from {run_dir}: its records were written with a different " + "; ".join(differ))
-    records = {}
-    for chunk in sorted((run_dir / "regen" / "chunks").glob("*.jsonl")):
-        records.update((r["id"], r) for r in map(json.loads, chunk.read_text().splitlines()) if "error" not in r)
-    return records, theirs["regen"]["max_length"]
+    return {r["id"]: r for r in _chunk_records(run_dir / "regen" / "chunks")}, theirs["regen"]["max_length"]
 
 
 def _reuse(written: tuple[dict[str, dict], int], chunks: list[list[Prompt]], chunks_dir: Path, shard, tokenizer, config: Config) -> int:
