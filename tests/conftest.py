@@ -1,5 +1,5 @@
 """Shared fixtures and helpers: an isolated dlite cache, the CLI run in this process, one trained micro run for the
-session, a χ² test."""
+session, a χ² test, weights as a GGUF file's dequantise."""
 
 from __future__ import annotations
 
@@ -133,3 +133,21 @@ AGENT_MESSAGES = [
      "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "textwrap.py"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "def dedent(text):\n    \"\"\"Remove any common leading whitespace.\"\"\""},
 ]
+
+
+def on_levels(rows: int, columns: int, bits: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight (rows, columns) as a GGUF file's 4-bit (Q4_1) or 8-bit (Q8_0) weights dequantise to: every
+    group of 32 along a row on 16 levels from its least weight to its largest, or on 255 levels symmetric about 0
+    with its largest magnitude on the top one; float16 scales."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (rows, columns // 32, 32)
+    if bits == 4:
+        codes = torch.randint(0, 16, shape, generator=generator)
+        codes[..., 0], codes[..., 1] = 0, 15
+        scale = (torch.rand(rows, columns // 32, 1, generator=generator) * 0.01 + 0.002).half().float()
+        low = (-7.5 * scale + torch.randn(scale.shape, generator=generator) * 0.003).half().float()
+        return (codes * scale + low).view(rows, columns)
+    codes = torch.randint(-127, 128, shape, generator=generator)
+    codes[..., 0] = 127
+    scale = (torch.rand(rows, columns // 32, 1, generator=generator) * 0.001 + 0.0001).half().float()
+    return (codes * scale).view(rows, columns)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE, chi_square_passes
+from conftest import DEVICE, chi_square_passes, on_levels
 
 from dlite_cli.core.config import DrafterConfig, SuffixConfig, TargetConfig
 from dlite_cli.core.errors import DliteError
@@ -20,7 +20,8 @@ from dlite_cli.decoding.proposers.model import ModelDrafter
 from dlite_cli.decoding.proposers.ngram import NgramDrafter
 from dlite_cli.decoding.proposers.none import NoDrafter
 from dlite_cli.decoding.proposers.suffix import SuffixDrafter
-from dlite_cli.models.linears import linear_bytes, target_linears
+from dlite_cli.models.layer_ops import KernelOps
+from dlite_cli.models.linears import layer_linears, linear_bytes, target_linears
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
 from dlite_cli.models.runner import Prefill, TargetRunner
 from dlite_cli.models.targets import load_target
@@ -32,6 +33,12 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def micro(cache_dir):
     model, tokenizer, _ = load_target(TargetConfig(model="micro"), log=lambda _: None)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def micro_bfloat16(cache_dir):
+    model, tokenizer, _ = load_target(TargetConfig(model="micro", dtype="bfloat16", device="cpu"), log=lambda _: None)
     return model, tokenizer
 
 
@@ -547,7 +554,8 @@ def test_a_cpu_target_runs_fused_packed_linears_that_compute_the_models_own(micr
         q, k, v = linears.layers[1].qkv(x)
         for fused, module in zip((q, k, v), (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)):
             torch.testing.assert_close(fused, module(x))
-        torch.testing.assert_close(linears.layers[1].mlp(x), layer.mlp(x))
+        gate, up = linears.layers[1].gate_up(x)
+        torch.testing.assert_close(linears.layers[1].down(linears.layers[1].act(gate) * up)[0], layer.mlp(x))
         torch.testing.assert_close(linears.lm_head(x), model.lm_head(x))
 
 
@@ -584,29 +592,44 @@ def test_a_graph_captured_inside_a_round_is_taken_out_of_its_time(micro, prompts
     assert request.stats.verify_seconds < 1.5  # every pass of micro together takes a fraction of the capture
 
 
-def test_a_4_bit_models_weights_are_read_as_4_bits_by_narrow_passes_and_float_trained_ones_are_not():
-    """A weight whose every group of 32 along a row lies on 16 evenly spaced levels (a 4-bit model's, dequantised) gets a
-    4-bit copy, which passes of up to FOUR_BIT_ROWS rows read; wider ones, and weights trained in a float type, run the
-    bfloat16 copy.  Both compute the layer up to bfloat16 rounding."""
-    from dlite_cli.models.linears import FOUR_BIT_ROWS, Projection, four_bit, packs
+@pytest.mark.parametrize("name", ["ngram", "dlite", "oracle", "dlite+suffix"])
+def test_in_bfloat16_every_method_writes_plain_decodings_text_on_the_cpu_kernels(name, micro_bfloat16, drafter_dirs, prompts, reference):
+    """dlite's CPU kernels compute a position alike in a step and in any verify, so below float32 too, passes as wide
+    as their tokens give every method plain decoding's greedy text, alone and two rows at a time."""
+    if not isinstance(TargetRunner(micro_bfloat16[0], [], 1, 64).ops, KernelOps):
+        pytest.skip("dlite's CPU kernels do not run here")
+    requests = lambda: [Request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]  # noqa: E731
+    plain = make_engine(micro_bfloat16, NoDrafter()).run(requests())
+    proposer = proposer_for(name, micro_bfloat16, drafter_dirs, prompts, reference)
+    for slots in (1, 2):
+        drafted = make_engine(micro_bfloat16, proposer, slots=slots).run(requests())
+        assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    assert make_engine(micro_bfloat16, proposer).stats.draft_tokens == K
 
-    if not packs(torch.device("cpu"), torch.bfloat16) or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        pytest.skip("this CPU's oneDNN does not pack bfloat16")
-    torch.manual_seed(0)
-    codes = torch.randint(0, 16, (64, 4, 32))
-    codes[..., 0], codes[..., 1] = 0, 15  # as a Q4_1 file has them: each group's least and largest weight on its end levels
-    step = torch.rand(64, 4, 1) * 0.01 + 0.002
-    grid = (step * (codes - 7.5 + torch.randn(64, 4, 1))).view(64, 128)
-    layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+
+def test_a_target_whose_weights_a_gguf_file_held_4_and_8_bit_decodes_its_own_greedy_text(micro):
+    """The micro target with every decoder-layer weight moved to 4-bit levels and its LM head to 8-bit ones, as a GGUF
+    Q4_1 model's dequantise: the engine reads them in that form and writes, with any drafter, the text the Hugging
+    Face model writes."""
+    import copy
+
+    model = copy.deepcopy(micro[0])
     with torch.no_grad():
-        layer.weight.copy_(grid)
-    projection = Projection([layer], pack=True, four_bits=True)
-    assert projection.four_bit is not None and four_bit(torch.randn(64, 128).to(torch.bfloat16)) is None
-    for rows in (1, FOUR_BIT_ROWS, FOUR_BIT_ROWS + 4):
-        x = torch.randn(rows, 128).to(torch.bfloat16)
-        reference = x.float() @ grid.T
-        torch.testing.assert_close(projection.fused(x).float(), reference, rtol=0.02, atol=0.02)
-    assert projection.packed_bytes > 64 * 128 * 2  # the bfloat16 copy and the 4-bit one
+        for seed, linear in enumerate(layer_linears(model)):
+            linear.weight.copy_(on_levels(*linear.weight.shape, bits=4, seed=seed))
+        model.lm_head.weight.copy_(on_levels(*model.lm_head.weight.shape, bits=8))
+    linears = target_linears(model)
+    if linears.head.quantized is None:
+        pytest.skip("dlite's CPU kernels do not run here")
+    assert {p.quantized.kind for p in linears.projections} == {"q4", "q8"}
+    prompt = micro[1]("def main():\n    parser = argparse.ArgumentParser()", add_special_tokens=False)["input_ids"]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    for proposer in (NoDrafter(), NgramDrafter(K)):
+        (request,) = make_engine((model, micro[1]), proposer, slots=1).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
+        assert request.output_ids == ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ import torch
 
 from ..core.config import Config
 from ..core.memory import MIN_CONTEXT, MemoryPlan, device_memory, fake_mode, kv_bytes_per_token, module_bytes, most_that_fit, planned_dtype, refuse, size
-from ..models.linears import four_bit_bytes, packed_bytes
+from ..models.linears import packed_bytes, quantized_bytes
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec
 from ..models.targets import random_target
 from .methods import Method, parse_method
@@ -51,8 +51,8 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
                  (slots * tokens + single_row_tokens) * per_token + kept * features_per_token}
     if packed_bytes(target, device_type):
         parts["packed target weights (oneDNN)"] = packed_bytes(target, device_type)
-    if four_bit_bytes(target, device_type):
-        parts["4-bit target weights (where they are 4-bit)"] = four_bit_bytes(target, device_type)
+    if quantized_bytes(target, device_type):
+        parts["4- and 8-bit target weights (where they are)"] = quantized_bytes(target, device_type)
     if suffix_responses and device_type == "cpu":
         parts["suffix trees"] = suffix_tree_bytes(config, slots, tokens, suffix_responses)
     width = config.drafter.draft_tokens + 1

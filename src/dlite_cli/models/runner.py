@@ -12,7 +12,9 @@ weights with a KV cache in which every row (slot) has its own length.
 and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then records which of them the
 slot keeps (the accepted ones: entries beyond a slot's length are masked now and overwritten later).
 Rows of different lengths share one batched pass, which is what lets each row accept its own number
-of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused and oneDNN-packed).  Two ways to run a pass (``decode.path``):
+of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused, oneDNN-packed, and 4- or 8-bit
+where the weights are), the rest of a layer through :func:`layer_ops.layer_ops` (on a CPU: dlite's kernels, one call
+an operation).  Two ways to run a pass (``decode.path``):
 
     eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
     static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), ``width``
@@ -29,8 +31,9 @@ import torch.nn.functional as F
 from ..core.devices import median_ms
 from ..core.errors import DliteError
 from .graphs import CudaGraphs, bucket_for
+from .layer_ops import PassPositions, layer_ops
 from .linears import target_linears
-from .model import SUPPORTED_FAMILIES, grouped_attention
+from .model import SUPPORTED_FAMILIES
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
 SPAN_STEP = 256  # without CUDA graphs the static path attends over the keys in use, rounded up to this
@@ -80,11 +83,8 @@ class TargetRunner:
         self.model, self.capture_layers, self.path, self.width = model, sorted(capture_layers), path, width
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
-        self.linears = target_linears(model)
-        attention = self.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        shape = (slots, self.kv_heads, min(capacity, INITIAL_ALLOCATION), self.head_dim)
+        self.linears, self.ops = target_linears(model), layer_ops(model)
+        shape = (slots, self.ops.kv_heads, min(capacity, INITIAL_ALLOCATION), self.ops.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # the token ids each slot holds keys/values for
@@ -230,27 +230,26 @@ class TargetRunner:
         """The model's layers over ``tokens`` (B, Q) at ``positions`` (B, Q) of cache ``rows``, attending to
         the first ``span`` cache entries under ``mask`` (B, 1, Q, span) or causally alone (None).  ``start``: the
         position every row's tokens begin at, where the host knows it (the keys/values are then written as a slice)."""
-        inner = self.model.model
+        inner, ops = self.model.model, self.ops
         h = inner.embed_tokens(tokens)
-        rotation = Rotation(*inner.rotary_emb(h, positions))
-        where = (rows, slice(None), slice(start, start + tokens.shape[1])) if start is not None else (self._row_index(rows)[:, None], slice(None), positions)
+        at = PassPositions(rows, self._row_index(rows), positions, span, mask, start, ops.rotary(*inner.rotary_emb(h, positions)))
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [inner.norm]
+        x = ops.norm(h, self.layers[0].input_layernorm)
         captured = []
-        for index, layer in enumerate(self.layers):
-            h = h + self._attention(index, layer.self_attn, rms_norm(layer.input_layernorm, h), rotation, rows, where, span, mask)
-            h = h + self.linears.layers[index].mlp(rms_norm(layer.post_attention_layernorm, h))
+        for index, (layer, linears, next_norm) in enumerate(zip(self.layers, self.linears.layers, next_norms)):
+            attended = ops.attention(layer.self_attn, linears.qkv.fused(x), self.keys[index], self.values[index], at)
+            h, x = ops.add_norm(h, linears.o.fused(attended), layer.post_attention_layernorm)
+            h, x = ops.add_norm(h, linears.down.fused(ops.gate(linears.gate_up.fused(x), linears.act)), next_norm)
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
-        B, Q = tokens.shape
         if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
-            h = rms_norm(inner.norm, h)
-            captured.append(h[:, -1:] if features_at_last else h)
-        else:
-            h = rms_norm(inner.norm, h[:, -1:] if logits_at_last else h)
+            captured.append(x[:, -1:] if features_at_last else x)
+        B, Q = tokens.shape
         if captured:
             features = torch.stack(captured, dim=2)
         else:
             features = h.new_zeros(B, 1 if features_at_last else Q, 0, h.shape[-1])
-        return self.linears.lm_head(h[:, -1:] if logits_at_last else h), features
+        return self.linears.lm_head(x[:, -1:] if logits_at_last else x), features
 
     def _check(self, span: int) -> None:
         if span > self.capacity:
@@ -275,46 +274,6 @@ class TargetRunner:
 
     def _row_index(self, rows) -> torch.Tensor:
         return torch.arange(rows.start, rows.stop, device=self.device) if isinstance(rows, slice) else rows
-
-    def _attention(self, index, attention, x, rotation, rows, where, span, mask):
-        """x (B, Q, H) normed → the attention's output (B, Q, H); its keys/values are written into the cache at ``where``."""
-        B, Q, _ = x.shape
-        linears = self.linears.layers[index]
-        heads = self.heads
-        qkv = linears.qkv.fused(x).view(B, Q, -1, self.head_dim)  # (B, Q, heads + 2 kv_heads, d)
-        qk, v = qkv[:, :, : heads + self.kv_heads], qkv[:, :, heads + self.kv_heads :]
-        if hasattr(attention, "q_norm"):  # qwen3
-            qk = torch.cat([rms_norm(attention.q_norm, qk[:, :, :heads]), rms_norm(attention.k_norm, qk[:, :, heads:])], dim=2)
-        qk = rotation(qk)
-        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:]
-        keys, values = self.keys[index], self.values[index]
-        if isinstance(where[2], slice):  # (B, kv_heads, Q, d) into each row's run of positions
-            keys[where], values[where] = k.transpose(1, 2), v.transpose(1, 2)
-        else:  # (B, Q, kv_heads, d) at each row's positions
-            keys[where], values[where] = k, v
-        out = grouped_attention(q, keys[rows, :, :span], values[rows, :, :span], mask, attention.scaling)
-        return linears.o(out.transpose(1, 2).reshape(B, Q, -1))[0]
-
-
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face RMSNorm module's function, in one fused op (its own forward is seven)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-
-
-class Rotation:
-    """The target's rotary embedding at a pass's positions, applied to (B, Q, heads, d) in three ops:
-    x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = swap_halves(x)·[−sin₁, sin₂]."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        """cos, sin (B, Q, d) in the activations' dtype, as the model's ``rotary_emb`` gives them."""
-        half = cos.shape[-1] // 2
-        self.cos = cos[:, :, None]
-        self.sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-        return torch.addcmul(x * self.cos, swapped, self.sin)
-
 
 class Prefill:
     """A prompt's prefill into one slot, a chunk of ``prefill_chunk`` tokens per :meth:`step`, so an engine can run

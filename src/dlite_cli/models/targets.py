@@ -31,6 +31,7 @@ from ..core.files import atomic_directory, atomic_write_json, cache_dir
 from ..core.precision import decide
 from ..data.hub import from_hub, is_hub_id
 from ..data.wheels import wheel_file
+from .cpu_kernels import kernels
 from .linears import KERNELS
 from .runner import COST_CONTEXT, TargetRunner, decode_path, pass_width
 
@@ -112,6 +113,8 @@ def load_target(config: TargetConfig, log=print, work: Work = Work("decoding")):
 
         torch.cuda.set_device(device)  # streams and CUDA graphs are made on the current device
     prepared = prepare_target(config, log)
+    if device.type == "cpu":
+        kernels(log)  # built here, so that the command's log says so, before the engine's passes use them
     return load_model(prepared, config.dtype, device, log, work), load_tokenizer(prepared), prepared
 
 

@@ -1,0 +1,538 @@
+// dlite's CPU kernels: the operations of a decoder layer for the narrow passes of decoding (a step, a verify),
+// each one call instead of the handful of eager ATen ops it takes otherwise (cpu_kernels.py says why and when).
+//
+// Every kernel computes in float32, whatever its inputs' dtype (float32 or bfloat16), and computes a row of a pass
+// by the same arithmetic however many rows the pass has: a position gets the same result in a step, in any verify
+// and in any batch, so every method writes plain decoding's text.
+//
+// Weights are group-quantised, as a GGUF file holds them (groups of 32 along a row, the scales in float16):
+//   q4   w = code * scale + min, code in 0..15: codes (N, K/2) uint8, byte j of group g holding code 32g+j in its
+//        low nibble and code 32g+16+j in its high one; scales (N, K/32, 2) half: [scale, min]
+//   q8   w = code * scale, code in -127..127: codes (N, K) int8; scales (N, K/32) half
+// A group is dequantised to float32 exactly (the weights a float32 model holds); with bfloat16 activations it is
+// rounded to bfloat16, the weights a bfloat16 model holds, and multiplied with AVX512-BF16's dot product.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+using c10::BFloat16;
+using c10::Half;
+
+constexpr int64_t GROUP = 32;  // weights per group along a row
+constexpr int64_t MAX_GROUPS = 1024;  // the most groups a row may have (K up to 32 768)
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// ------------------------------------------------------------------------------------------------ vector loads
+
+static inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline f32x16 load(const BFloat16* p) {  // bfloat16 is float32's upper half
+  i32x16 v;
+#if defined(__AVX512F__)
+  __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+  std::memcpy(&v, &w, sizeof v);
+#else
+  for (int i = 0; i < 16; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, p + i, 2);
+    v[i] = int32_t(uint32_t(bits) << 16);
+  }
+#endif
+  f32x16 f;
+  std::memcpy(&f, &v, sizeof f);
+  return f;
+}
+
+static inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+static inline void store(BFloat16* p, f32x16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = BFloat16(v[i]);
+}
+
+template <typename Byte>
+static inline i32x16 widen(const Byte* p) {  // 16 bytes → 16 int32, zero- or sign-extended by Byte
+  i32x16 v;
+#if defined(__AVX512F__)
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  __m512i w = std::is_signed_v<Byte> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+  __m128i b = _mm_loadu_si128((const __m128i*)p), c = _mm_srli_si128(b, 8);
+  __m256i lo = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  __m256i hi = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+#endif
+  return v;
+}
+
+static inline float sum(f32x16 v) {
+#if defined(__AVX512F__)
+  __m512 a;
+  std::memcpy(&a, &v, sizeof a);
+  return _mm512_reduce_add_ps(a);
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+#endif
+}
+
+static inline void to_float(const Half* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = float(h[i]);
+}
+
+static inline f32x16 splat(float v) { return f32x16{} + v; }
+
+// e^x for 16 floats to about an ulp (Cephes' expf: x = k ln 2 + r, a degree-5 polynomial in r, 2^k put in the
+// exponent bits); 0 below -87 (and for -inf)
+static inline f32x16 exp16(f32x16 x) {
+  const f32x16 low = splat(-87.f), high = splat(88.f);
+  const f32x16 c = x < low ? low : (x > high ? high : x);
+  const f32x16 y = c * 1.44269504088896341f + 0.5f;
+  f32x16 k = __builtin_convertvector(__builtin_convertvector(y, i32x16), f32x16);  // truncated, then floored
+  k = y < k ? k - 1.f : k;
+  const f32x16 r = c - k * 0.693359375f + k * 2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  f32x16 power;
+  std::memcpy(&power, &bits, 64);
+  return x < low ? splat(0.f) : p * power;
+}
+
+// ------------------------------------------------------------------------------------------------ linear layers
+
+// A weight format: ``row(n, scales)`` converts output row n's scales to float32 (q4: [scale, min] per group), and
+// ``group(n, g, scales, w0, w1)`` dequantises its group g with them: w0 the first 16 weights, w1 the last 16.
+struct Q4 {
+  const uint8_t* codes;
+  const Half* halves;  // (N, K/GROUP, 2)
+  int64_t K;
+  static constexpr int SCALES = 2;
+  void row(int64_t n, float* scales) const { to_float(halves + n * (K / GROUP) * 2, (K / GROUP) * 2, scales); }
+  void group(int64_t n, int64_t g, const float* scales, f32x16& w0, f32x16& w1) const {
+    const i32x16 c = widen(codes + n * K / 2 + g * GROUP / 2);
+#if defined(__AVX512F__)  // the group's 16 levels, then each weight looked up: one multiply-add a group, not two
+    const f32x16 levels = f32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * scales[2 * g] + scales[2 * g + 1];
+    __m512 table;
+    __m512i low, high;
+    std::memcpy(&table, &levels, 64);
+    const i32x16 c0 = c & 15, c1 = c >> 4;
+    std::memcpy(&low, &c0, 64);
+    std::memcpy(&high, &c1, 64);
+    const __m512 v0 = _mm512_permutexvar_ps(low, table), v1 = _mm512_permutexvar_ps(high, table);
+    std::memcpy(&w0, &v0, 64);
+    std::memcpy(&w1, &v1, 64);
+#else
+    w0 = __builtin_convertvector(c & 15, f32x16) * scales[2 * g] + scales[2 * g + 1];
+    w1 = __builtin_convertvector(c >> 4, f32x16) * scales[2 * g] + scales[2 * g + 1];
+#endif
+  }
+};
+
+struct Q8 {
+  const int8_t* codes;
+  const Half* halves;  // (N, K/GROUP)
+  int64_t K;
+  static constexpr int SCALES = 1;
+  void row(int64_t n, float* scales) const { to_float(halves + n * (K / GROUP), K / GROUP, scales); }
+  void group(int64_t n, int64_t g, const float* scales, f32x16& w0, f32x16& w1) const {
+    const int8_t* c = codes + n * K + g * GROUP;
+    w0 = __builtin_convertvector(widen(c), f32x16) * scales[g];
+    w1 = __builtin_convertvector(widen(c + 16), f32x16) * scales[g];
+  }
+};
+
+// out[m, n] = x[m] · w[n] for the M rows of x (M, K) float32 and the output rows n0..n1.  Each row's products go to
+// two accumulators (a group's first and last 16), so that the sums do not wait on each other, whatever M is.
+template <int M, typename W, typename T>
+static void rows_float(const W& w, const float* x, T* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t K = w.K;
+  float scales[MAX_GROUPS * W::SCALES];
+  for (int64_t n = n0; n < n1; ++n) {
+    w.row(n, scales);
+    f32x16 first[M], last[M];
+    for (int m = 0; m < M; ++m) first[m] = last[m] = f32x16{};
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      f32x16 w0, w1;
+      w.group(n, g, scales, w0, w1);
+      for (int m = 0; m < M; ++m) {
+        const float* xg = x + m * K + g * GROUP;
+        first[m] += w0 * load(xg);
+        last[m] += w1 * load(xg + 16);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = T(sum(first[m] + last[m]));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// the same for x (M, K) bfloat16: the weights rounded to bfloat16 (a bfloat16 model's), 32 products of a row and a
+// group in one dot-product instruction
+template <int M, typename W>
+static void rows_bf16(const W& w, const BFloat16* x, BFloat16* out, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t K = w.K;
+  float scales[MAX_GROUPS * W::SCALES];
+  for (int64_t n = n0; n < n1; ++n) {
+    w.row(n, scales);
+    __m512 even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      f32x16 w0, w1;
+      w.group(n, g, scales, w0, w1);
+      __m512 a0, a1;
+      std::memcpy(&a0, &w0, 64);
+      std::memcpy(&a1, &w1, 64);
+      const __m512bh wg = _mm512_cvtne2ps_pbh(a1, a0);  // elements 0..15 from a0, 16..31 from a1
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + m * K + g * GROUP);
+        if (g % 2) odd[m] = _mm512_dpbf16_ps(odd[m], wg, xg);
+        else even[m] = _mm512_dpbf16_ps(even[m], wg, xg);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])));
+  }
+}
+#endif
+
+// f(std::integral_constant<int, R>, row) for the rows of a pass in blocks of up to 8
+template <typename F>
+static void row_blocks(int64_t M, F f) {
+  int64_t r = 0;
+  for (; r + 8 <= M; r += 8) f(std::integral_constant<int, 8>{}, r);
+  switch (M - r) {
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    case 6: f(std::integral_constant<int, 6>{}, r); break;
+    case 7: f(std::integral_constant<int, 7>{}, r); break;
+    default: break;
+  }
+}
+
+// kernel(rows, r, n0, n1) over the output rows, one contiguous block of them per thread, for the pass's rows in blocks
+template <typename Kernel>
+static void over_outputs(int64_t M, int64_t N, Kernel kernel) {
+  const int64_t grain = std::max<int64_t>(16, N / at::get_num_threads() + 1);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    row_blocks(M, [&](auto rows, int64_t r) { kernel(rows, r, n0, n1); });
+  });
+}
+
+template <typename W, typename T>
+static void linear_float(const W& w, const float* x, T* out, int64_t M, int64_t N) {
+  over_outputs(M, N, [&](auto rows, int64_t r, int64_t n0, int64_t n1) {
+    rows_float<decltype(rows)::value>(w, x + r * w.K, out + r * N, N, n0, n1);
+  });
+}
+
+template <typename W>
+static at::Tensor linear(const at::Tensor& x_in, const W& w, int64_t N) {
+  const int64_t K = w.K;
+  TORCH_CHECK(x_in.size(-1) == K && K % GROUP == 0 && K / GROUP <= MAX_GROUPS, "linear: x has ", x_in.size(-1), " features, the weights ", K);
+  const at::Tensor x = x_in.contiguous().view({-1, K});
+  const int64_t M = x.size(0);
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x_in.options());
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    const BFloat16* xp = x.data_ptr<BFloat16>();
+    BFloat16* op = out.data_ptr<BFloat16>();
+    over_outputs(M, N, [&](auto rows, int64_t r, int64_t n0, int64_t n1) {
+      rows_bf16<decltype(rows)::value>(w, xp + r * K, op + r * N, N, n0, n1);
+    });
+    return out;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat);
+  if (out.scalar_type() == at::kBFloat16)
+    linear_float(w, xf.data_ptr<float>(), out.data_ptr<BFloat16>(), M, N);
+  else
+    linear_float(w, xf.data_ptr<float>(), out.data_ptr<float>(), M, N);
+  return out;
+}
+
+// x (…, K) float32 or bfloat16 → x @ wᵀ (…, N) in x's dtype
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf, "linear_q4: codes uint8, scales half");
+  return linear(x, Q4{codes.data_ptr<uint8_t>(), scales.data_ptr<Half>(), codes.size(1) * 2}, codes.size(0));
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf, "linear_q8: codes int8, scales half");
+  return linear(x, Q8{codes.data_ptr<int8_t>(), scales.data_ptr<Half>(), codes.size(1)}, codes.size(0));
+}
+
+// ------------------------------------------------------------------------------------------------ norms, the MLP's gate
+
+#define FLOAT_OR_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// out (H,) = x / rms(x) * weight, as Hugging Face's RMSNorm: normalised in float32, rounded to T, times the weight
+template <typename T>
+static void norm_row(const T* x, const T* weight, float eps, int64_t H, T* out) {
+  float squares = 0.f;
+  for (int64_t j = 0; j < H; ++j) squares += float(x[j]) * float(x[j]);
+  const float r = 1.f / std::sqrt(squares / H + eps);
+  for (int64_t j = 0; j < H; ++j) out[j] = T(float(T(float(x[j]) * r)) * float(weight[j]));
+}
+
+// x (…, H) → RMSNorm(x)
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  at::Tensor out = at::empty_like(x);
+  FLOAT_OR_BF16(x.scalar_type(), "rms_norm", [&] {
+    for (int64_t m = 0; m < M; ++m)
+      norm_row(x.data_ptr<scalar_t>() + m * H, weight.data_ptr<scalar_t>(), float(eps), H, out.data_ptr<scalar_t>() + m * H);
+  });
+  return out;
+}
+
+// h, delta (…, H) → (h + delta, RMSNorm(h + delta)): a residual connection and the next norm
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at::Tensor& delta_in, const at::Tensor& weight, double eps) {
+  const at::Tensor h = h_in.contiguous(), delta = delta_in.contiguous();
+  const int64_t H = h.size(-1), M = h.numel() / H;
+  at::Tensor sum = at::empty_like(h), out = at::empty_like(h);
+  FLOAT_OR_BF16(h.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *hp = h.data_ptr<scalar_t>(), *dp = delta.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < M * H; ++i) sp[i] = scalar_t(float(hp[i]) + float(dp[i]));
+    for (int64_t m = 0; m < M; ++m) norm_row(sp + m * H, weight.data_ptr<scalar_t>(), float(eps), H, out.data_ptr<scalar_t>() + m * H);
+  });
+  return {sum, out};
+}
+
+template <typename T>
+static void silu_mul_row(const T* gate_up, int64_t I, float* gate, T* out) {
+  for (int64_t j = 0; j < I; ++j) gate[j] = float(gate_up[j]);
+  int64_t j = 0;
+  for (; j + 16 <= I; j += 16) store(gate + j, load(gate + j) / (1.f + exp16(-load(gate + j))));
+  for (; j < I; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j]));
+  for (int64_t j = 0; j < I; ++j) out[j] = T(float(T(gate[j])) * float(gate_up[I + j]));
+}
+
+// gate_up (…, 2I): [gate, up] → silu(gate) * up (…, I)
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t I = gate_up.size(-1) / 2, M = gate_up.numel() / (2 * I);
+  auto shape = gate_up.sizes().vec();
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  std::vector<float> gate(I);
+  FLOAT_OR_BF16(gate_up.scalar_type(), "silu_mul", [&] {
+    for (int64_t m = 0; m < M; ++m) silu_mul_row(gate_up.data_ptr<scalar_t>() + m * 2 * I, I, gate.data(), out.data_ptr<scalar_t>() + m * I);
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+
+constexpr int64_t MAX_HEAD_DIM = 128;  // attention takes head dims of a multiple of 16 up to this (SmolLM2 64, Qwen3 128)
+constexpr int64_t CHUNK = 256;  // the keys a work item of attention covers
+
+// One head x (d,) at one position, after Qwen3's per-head RMSNorm where ``norm`` is given, turned by the rotary
+// embedding (cos, sin (d,); Hugging Face's rotate_half convention) → out (d,) float32, each value rounded to T as
+// the model's own would be
+template <typename T>
+static void rotate(const T* x, const T* norm, float eps, const float* cos, const float* sin, int64_t d, float* out) {
+  T normed[MAX_HEAD_DIM];
+  if (norm)
+    norm_row(x, norm, eps, d, normed);
+  else
+    std::memcpy(normed, x, d * sizeof(T));
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = float(normed[j]), b = float(normed[j + half]);
+    out[j] = float(T(a * cos[j] - b * sin[j]));
+    out[j + half] = float(T(b * cos[j + half] + a * sin[j + half]));
+  }
+}
+
+// f(std::integral_constant<int, D>) for the head dim d (a multiple of 16, at most MAX_HEAD_DIM)
+template <int D = 16, typename F>
+static void with_head_dim(int64_t d, F f) {
+  if constexpr (D <= MAX_HEAD_DIM) {
+    if (d == D) return f(std::integral_constant<int, D>{});
+    with_head_dim<D + 16>(d, f);
+  }
+}
+
+// Attention over a chunk of a head's keys, for the queries that share the head (a group's heads × a row's tokens).
+// Query q sees keys t0 ≤ t < min(t1, visible[q]); its result is left in partial (count, D + 2): the largest score
+// m, Σ e^(score − m) and Σ e^(score − m) v (D,), which :func:`merge` combines over chunks.  scores: (count, CHUNK).
+template <int D, typename T>
+static void attend_chunk(const float* const* queries, const int64_t* visible, int64_t count, const T* K, const T* V,
+                         int64_t t0, int64_t t1, float scale, float* scores, float* partial) {
+  for (int64_t t = t0; t < t1; ++t) {  // each key read once for all the queries
+    f32x16 key[D / 16];
+    for (int j = 0; j < D / 16; ++j) key[j] = load(K + t * D + 16 * j);
+    for (int64_t q = 0; q < count; ++q) {
+      if (t >= visible[q]) continue;
+      f32x16 products{};
+      for (int j = 0; j < D / 16; ++j) products += load(queries[q] + 16 * j) * key[j];
+      scores[q * CHUNK + t - t0] = sum(products) * scale;
+    }
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    float* score = scores + q * CHUNK;
+    float* out = partial + q * (D + 2);
+    const int64_t n = std::min(t1, visible[q]) - t0;
+    f32x16 acc[D / 16];
+    for (int j = 0; j < D / 16; ++j) acc[j] = f32x16{};
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, score[t]);
+    f32x16 total{};
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      const f32x16 e = exp16(load(score + t) - top);
+      store(score + t, e);
+      total += e;
+    }
+    for (; t < n; ++t) {  // the last few, one at a time
+      score[t] = exp16(splat(score[t] - top))[0];
+      total[0] += score[t];
+    }
+    for (t = 0; t < n; ++t)
+      for (int j = 0; j < D / 16; ++j) acc[j] += score[t] * load(V + (t0 + t) * D + 16 * j);
+    out[0] = top;
+    out[1] = sum(total);
+    for (int j = 0; j < D / 16; ++j) store(out + 2 + 16 * j, acc[j]);
+  }
+}
+
+// One query's attention from its chunks' partial results (``chunks`` of them, ``stride`` apart) → out (D,)
+template <int D, typename T>
+static void merge(const float* partial, int64_t chunks, int64_t stride, T* out) {
+  float top = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partial[c * stride]);
+  f32x16 acc[D / 16];
+  for (int j = 0; j < D / 16; ++j) acc[j] = f32x16{};
+  float total = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* chunk = partial + c * stride;
+    const float weight = std::exp(chunk[0] - top);
+    total += weight * chunk[1];
+    for (int j = 0; j < D / 16; ++j) acc[j] += weight * load(chunk + 2 + 16 * j);
+  }
+  for (int j = 0; j < D / 16; ++j) store(out + 16 * j, acc[j] / total);
+}
+
+// The attention of a pass's queries (B, Q, H, D) float32 over their rows' keys and values → out (B, Q, H·D).  Work is
+// split by row, KV head and chunk of CHUNK keys (a long row's keys spread over the threads, each key read once for
+// the group's heads and the row's tokens), then each query merges its chunks.  The chunks start at fixed positions,
+// so a query's result is the same whatever the pass and the batch.
+template <int D, typename T>
+static void attend_rows(const float* queries, const T* keys, const T* values, T* out, const int64_t* slot, const int64_t* start,
+                        int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t A, float scale) {
+  const int64_t G = H / KV, count = G * Q, stride = count * (D + 2);
+  int64_t chunks = 0;
+  for (int64_t b = 0; b < B; ++b) chunks = std::max(chunks, (start[b] + Q + CHUNK - 1) / CHUNK);
+  std::vector<float> partial(B * KV * chunks * stride);
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores(count * CHUNK);
+    std::vector<const float*> query(count);
+    std::vector<int64_t> visible(count);
+    for (int64_t w = w0; w < w1; ++w) {  // work item: row b, KV head h, chunk c
+      const int64_t b = w / (KV * chunks), h = w / chunks % KV, c = w % chunks, t0 = c * CHUNK;
+      if (t0 >= start[b] + Q) continue;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < Q; ++i) {
+          query[g * Q + i] = queries + ((b * Q + i) * H + h * G + g) * D;
+          visible[g * Q + i] = start[b] + i + 1;
+        }
+      const int64_t at = (slot[b] * KV + h) * A * D;
+      attend_chunk<D>(query.data(), visible.data(), count, keys + at, values + at, t0, std::min(t0 + CHUNK, start[b] + Q), scale,
+                      scores.data(), partial.data() + w * stride);
+    }
+  });
+  at::parallel_for(0, B * Q * H, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {  // query: row b, token i, head h
+      const int64_t b = w / (Q * H), i = w / H % Q, h = w % H;
+      const float* first = partial.data() + (b * KV + h / G) * chunks * stride + ((h % G) * Q + i) * (D + 2);
+      merge<D>(first, (start[b] + i + CHUNK) / CHUNK, stride, out + w * D);
+    }
+  });
+}
+
+// One pass's attention for B rows of Q tokens each, with the rotary embedding and the writes into the KV cache.
+//   qkv (B, Q, (H + 2 KV) d): the fused q, k, v projection's output, in the cache's dtype
+//   cos, sin (B, Q, d) float32: the rotary embedding at each token's position
+//   keys, values (slots, KV, A, d): row b's tokens are written to slot slots[b], positions starts[b] .. starts[b] + Q − 1
+//   q_norm, k_norm (d,): Qwen3's per-head norms before the rotation, or empty tensors
+//   → (B, Q, H d): query (b, i) attends to positions 0 .. starts[b] + i of its slot
+at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
+                     at::Tensor values, const at::Tensor& slots_in, const at::Tensor& starts_in, int64_t H,
+                     const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, double scale) {
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous(), starts = starts_in.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), Q = qkv.size(1), KV = keys.size(1), A = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == qkv.scalar_type(), "attention: the cache");
+  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && H % KV == 0 && qkv.size(2) == (H + 2 * KV) * d, "attention: the heads' shapes");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(start[b] + Q <= A, "attention: the pass runs past the cache's ", A, " positions");
+  at::Tensor queries = at::empty({B, Q, H, d}, qkv.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({B, Q, H * d}, qkv.options());
+  float* qp = queries.data_ptr<float>();
+  FLOAT_OR_BF16(qkv.scalar_type(), "attention", [&] {
+    using T = scalar_t;
+    const T* x = qkv.data_ptr<T>();
+    T *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>(), *op = out.data_ptr<T>();
+    const T* qn = q_norm.numel() ? q_norm.data_ptr<T>() : nullptr;
+    const T* kn = k_norm.numel() ? k_norm.data_ptr<T>() : nullptr;
+    float rotated[MAX_HEAD_DIM];
+    for (int64_t token = 0; token < B * Q; ++token) {
+      const int64_t b = token / Q, i = token % Q;
+      const T* heads = x + token * (H + 2 * KV) * d;
+      const float *c = cos.data_ptr<float>() + token * d, *s = sin.data_ptr<float>() + token * d;
+      for (int64_t h = 0; h < H; ++h) rotate(heads + h * d, qn, float(eps), c, s, d, qp + (token * H + h) * d);
+      for (int64_t h = 0; h < KV; ++h) {
+        const int64_t at = ((slot[b] * KV + h) * A + start[b] + i) * d;
+        rotate(heads + (H + h) * d, kn, float(eps), c, s, d, rotated);
+        for (int64_t j = 0; j < d; ++j) kp[at + j] = T(rotated[j]);
+        std::memcpy(vp + at, heads + (H + KV + h) * d, d * sizeof(T));
+      }
+    }
+    with_head_dim(d, [&](auto D) { attend_rows<decltype(D)::value>(qp, kp, vp, op, slot, start, B, Q, H, KV, A, float(scale)); });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_q4", &linear_q4, "x (…, K) → x @ wᵀ (…, N), w affine 4-bit in groups of 32");
+  m.def("linear_q8", &linear_q8, "x (…, K) → x @ wᵀ (…, N), w symmetric 8-bit in groups of 32");
+  m.def("rms_norm", &rms_norm, "x (…, H) → RMSNorm(x)");
+  m.def("add_rms_norm", &add_rms_norm, "h, delta (…, H) → (h + delta, RMSNorm(h + delta))");
+  m.def("silu_mul", &silu_mul, "[gate, up] (…, 2I) → silu(gate) * up (…, I)");
+  m.def("attention", &attention, "a pass's attention with its rotary embedding and KV-cache writes");
+}

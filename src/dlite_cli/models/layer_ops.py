@@ -1,0 +1,133 @@
+"""The operations a target's decoder layer is made of, as the decoding engine's passes run them (runner.py): dlite's
+CPU kernels where they are built (:class:`KernelOps`, cpu_kernels.py), eager ATen ops elsewhere (:class:`EagerOps`).
+
+    norm(x, module)                 RMSNorm with a Hugging Face norm module's weight
+    add_norm(h, delta, module)      (h + delta, RMSNorm(h + delta)): a residual connection and the next norm
+    gate(gate_up)                   silu(gate) · up, from the fused gate/up projection's output
+    attention(module, qkv, keys, values, at)
+                                    a layer's attention from its fused q/k/v projection's output (B, Q, ·): q/k norms
+                                    (Qwen3), the rotary embedding, the new keys/values written into the cache rows
+                                    ``at`` names (:class:`PassPositions`), attention over each row's held tokens and
+                                    its own → (B, Q, heads·d)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_kernels import MAX_HEAD_DIM, kernels
+from .model import grouped_attention
+
+
+@dataclass
+class PassPositions:
+    """Where a pass's B rows of Q tokens go in the KV cache, and what each token attends to."""
+
+    rows: slice | torch.Tensor  # the cache rows (slots), a slice where they are contiguous
+    slots: torch.Tensor  # (B,) the same as indices
+    positions: torch.Tensor  # (B, Q) each token's position in its row
+    span: int  # the cache entries the eager ops attend over
+    mask: torch.Tensor | None  # (B, 1, Q, span): key j visible to query (b, i); None: one row, causal
+    start: int | None  # the position every row's tokens start at, where the host knows it is one
+    rotary: object  # the rotary embedding at ``positions``, as the ops apply it (:meth:`rotary`)
+
+
+class EagerOps:
+    """A layer's operations as eager ATen ops, on any device."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        return Rotation(cos, sin)
+
+    def norm(self, x: torch.Tensor, module) -> torch.Tensor:
+        return rms_norm(module, x)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + delta
+        return h, rms_norm(module, h)
+
+    def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    def attention(self, module, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
+        B, Q, _ = qkv.shape
+        heads, kv_heads = self.heads, self.kv_heads
+        qkv = qkv.view(B, Q, -1, self.head_dim)  # (B, Q, heads + 2 kv_heads, d)
+        qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
+        if hasattr(module, "q_norm"):  # qwen3
+            qk = torch.cat([rms_norm(module.q_norm, qk[:, :, :heads]), rms_norm(module.k_norm, qk[:, :, heads:])], dim=2)
+        qk = at.rotary(qk)
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:]
+        if at.start is not None:  # (B, kv_heads, Q, d) into each row's run of positions
+            where = (at.rows, slice(None), slice(at.start, at.start + Q))
+            keys[where], values[where] = k.transpose(1, 2), v.transpose(1, 2)
+        else:  # (B, Q, kv_heads, d) at each row's positions
+            where = (at.slots[:, None], slice(None), at.positions)
+            keys[where], values[where] = k, v
+        out = grouped_attention(q, keys[at.rows, :, : at.span], values[at.rows, :, : at.span], at.mask, module.scaling)
+        return out.transpose(1, 2).reshape(B, Q, -1)
+
+
+class KernelOps(EagerOps):
+    """A layer's operations as dlite's CPU kernels: one call each (cpu_kernels.cpp)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, module):
+        super().__init__(heads, kv_heads, head_dim)
+        self.kernels = module
+        self.none = torch.empty(0)
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos.float(), sin.float()
+
+    def norm(self, x: torch.Tensor, module) -> torch.Tensor:
+        return self.kernels.rms_norm(x, module.weight, module.variance_epsilon)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(h, delta, module.weight, module.variance_epsilon)
+
+    def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+    def attention(self, module, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
+        q_norm, k_norm = (module.q_norm, module.k_norm) if hasattr(module, "q_norm") else (None, None)
+        return self.kernels.attention(qkv, *at.rotary, keys, values, at.slots, at.positions[:, 0], self.heads,
+                                      self.none if q_norm is None else q_norm.weight, self.none if k_norm is None else k_norm.weight,
+                                      q_norm.variance_epsilon if q_norm is not None else 0.0, module.scaling)
+
+
+def layer_ops(model) -> EagerOps:
+    """The ops the engine runs ``model``'s layers with: dlite's CPU kernels for a CPU target in float32 or bfloat16
+    with SiLU MLPs and head dims of a multiple of 16 up to MAX_HEAD_DIM (where the kernels build here), eager ATen ops otherwise."""
+    config, parameter = model.config, next(model.parameters())
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    fits = (parameter.device.type == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+            and getattr(config, "hidden_act", "silu") == "silu")
+    module = kernels() if fits else None
+    return KernelOps(heads, kv_heads, head_dim, module) if module is not None else EagerOps(heads, kv_heads, head_dim)
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face RMSNorm module's function, in one fused op (its own forward is seven)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+class Rotation:
+    """The target's rotary embedding at a pass's positions, applied to (B, Q, heads, d) in three ops:
+    x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = swap_halves(x)·[−sin₁, sin₂]."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        """cos, sin (B, Q, d) in the activations' dtype, as the model's ``rotary_emb`` gives them."""
+        half = cos.shape[-1] // 2
+        self.cos = cos[:, :, None]
+        self.sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return torch.addcmul(x * self.cos, swapped, self.sin)
