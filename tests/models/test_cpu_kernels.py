@@ -96,7 +96,7 @@ def eager_attention(heads, kv_heads, d, module, qkv, keys, values, slots, positi
     ops = EagerOps(heads, kv_heads, d)
     span = int(positions.max()) + 1
     mask = (torch.arange(span) <= positions[..., None])[:, None]
-    at = PassPositions(slots, slots, positions, span, mask, None, ops.rotary(*rotary))
+    at = PassPositions(slots, slots, positions, span, mask, None, *rotary)
     return ops.attention(module, qkv, keys, values, at)
 
 
@@ -107,7 +107,7 @@ def test_the_attention_kernel_attends_and_writes_the_cache_as_eager_attention_do
     eager_keys, eager_values = keys.clone(), values.clone()
     expected = eager_attention(*shapes, attention, qkv, eager_keys, eager_values, slots, positions, rotary)
     ops = KernelOps(*shapes, module)
-    at = PassPositions(slots, slots, positions, 0, None, None, ops.rotary(*rotary))
+    at = PassPositions(slots, slots, positions, 0, None, None, *rotary)
     got = ops.attention(attention, qkv, keys, values, at)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
@@ -120,12 +120,12 @@ def test_a_query_attends_the_same_in_any_pass(module, dtype):
     """Each token of a pass of 5, verified alone at its position, or beside another row: the same bits."""
     shapes, attention, qkv, keys, values, slots, positions, rotary = attention_inputs(dtype, qwen3=False)
     ops = KernelOps(*shapes, module)
-    whole = ops.attention(attention, qkv, keys.clone(), values.clone(), PassPositions(slots, slots, positions, 0, None, None, ops.rotary(*rotary)))
+    whole = ops.attention(attention, qkv, keys.clone(), values.clone(), PassPositions(slots, slots, positions, 0, None, None, *rotary))
     for b in range(2):
         cache = keys.clone(), values.clone()
         for i in range(5):
             one = PassPositions(slots[b : b + 1], slots[b : b + 1], positions[b : b + 1, i : i + 1], 0, None, None,
-                                ops.rotary(rotary[0][b : b + 1, i : i + 1], rotary[1][b : b + 1, i : i + 1]))
+                                rotary[0][b : b + 1, i : i + 1], rotary[1][b : b + 1, i : i + 1])
             assert torch.equal(ops.attention(attention, qkv[b : b + 1, i : i + 1], *cache, one)[0, 0], whole[b, i])
 
 
@@ -147,10 +147,10 @@ def test_the_norm_and_gate_kernels_compute_the_eager_ops(module, dtype):
 def test_where_the_kernels_cannot_be_built_the_engine_runs_eager_ops_and_says_why(tmp_path):
     """A compiler that fails (CXX=false), in a fresh cache: one line says so, and the layers run eager ATen ops."""
     script = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
-              "from dlite_cli.models.layer_ops import layer_ops\n"
+              "from dlite_cli.models.layer_ops import target_ops\n"
               "config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,"
               " num_key_value_heads=2)\n"
-              "print(type(layer_ops(LlamaForCausalLM(config))).__name__)\n")
+              "print(type(target_ops(LlamaForCausalLM(config))).__name__)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DLITE_CACHE": str(tmp_path), "CXX": "false"})
     assert done.returncode == 0, done.stderr

@@ -22,7 +22,8 @@ def target(cache_dir):
 
 
 def make(target, window, **drafter):
-    spec = DrafterSpec.for_target(target.config, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16, **drafter), window)
+    options = {"num_target_layers": 3, "draft_tokens": K, "num_layers": 1, "head_rank": 16, **drafter}
+    spec = DrafterSpec.for_target(target.config, DrafterConfig(**options), window)
     torch.manual_seed(0)
     return Drafter(spec)
 
@@ -240,10 +241,13 @@ def test_anchors_and_labels_of_a_trace_stay_inside_its_replies():
 
 
 @pytest.mark.parametrize("options", [{}, {"composition": "feature"}, {"sequential_head": False}, {"draft_vocab": 64},
-                                     {"anchor_group": 2, "mask_token_id": 3, "context_position": 0}, {"family": "qwen3"}])
+                                     {"anchor_group": 2, "mask_token_id": 3, "context_position": 0}, {"family": "qwen3"},
+                                     {"head_rank": 32}, {"head_rank": 32, "sequential_head": False}, {"head_rank": 32, "family": "qwen3"}])
 def test_the_engines_draft_round_computes_what_the_drafter_drafts(target, cache_dir, options):
-    """models/draft_round.py runs a W = 0 round in fewer ops (fused, packed linears; the head's latent split): the same
-    tokens, logits and probabilities as Drafter.draft, greedy and sampled, in float32."""
+    """models/draft_round.py runs a W = 0 round in fewer ops (the layer ops, fused and packed linears; the head's latent
+    split; a greedy head in one kernel call where it runs, which keeps no logits): the same tokens, logits and
+    probabilities as Drafter.draft, greedy and sampled, in float32."""
+    from dlite_cli.models.cpu_kernels import kernels
     from dlite_cli.models.draft_round import DraftRound
 
     options = dict(options)
@@ -261,7 +265,9 @@ def test_the_engines_draft_round_computes_what_the_drafter_drafts(target, cache_
         tokens, logits, confidence = drafter.draft(context, group, embed, **picks)
         fast_tokens, fast_logits, fast_confidence = draft_round(context, group, embed, **picks)
         assert torch.equal(fast_tokens, tokens)
-        torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-5)
+        if fast_logits is not None or pick is not None or not draft_round.greedy_kernel:
+            torch.testing.assert_close(fast_logits, logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fast_confidence, confidence, rtol=1e-4, atol=1e-6)
+    assert draft_round.greedy_kernel == (options.get("head_rank") == 32 and DEVICE.type == "cpu" and kernels() is not None)
     with pytest.raises(ValueError, match="history-free"):
         DraftRound(make(target, 128).to(DEVICE))

@@ -169,12 +169,25 @@ struct Q8 {
   }
 };
 
+// A dense weight (N, K) in float32 or bfloat16 (a drafter's, trained in a float type)
+template <typename T>
+struct Dense {
+  const T* weights;
+  int64_t K;
+  static constexpr int SCALES = 0;
+  void row(int64_t, float*) const {}
+  void group(int64_t n, int64_t g, const float*, f32x16& w0, f32x16& w1) const {
+    w0 = load(weights + n * K + g * GROUP);
+    w1 = load(weights + n * K + g * GROUP + 16);
+  }
+};
+
 // out[m, n] = x[m] · w[n] for the M rows of x (M, K) float32 and the output rows n0..n1.  Each row's products go to
 // two accumulators (a group's first and last 16), so that the sums do not wait on each other, whatever M is.
 template <int M, typename W, typename T>
 static void rows_float(const W& w, const float* x, T* out, int64_t N, int64_t n0, int64_t n1) {
   const int64_t K = w.K;
-  float scales[MAX_GROUPS * W::SCALES];
+  float scales[MAX_GROUPS * W::SCALES + 1];
   for (int64_t n = n0; n < n1; ++n) {
     w.row(n, scales);
     f32x16 first[M], last[M];
@@ -198,7 +211,7 @@ static void rows_float(const W& w, const float* x, T* out, int64_t N, int64_t n0
 template <int M, typename W>
 static void rows_bf16(const W& w, const BFloat16* x, BFloat16* out, int64_t N, int64_t n0, int64_t n1) {
   const int64_t K = w.K;
-  float scales[MAX_GROUPS * W::SCALES];
+  float scales[MAX_GROUPS * W::SCALES + 1];
   for (int64_t n = n0; n < n1; ++n) {
     w.row(n, scales);
     __m512 even[M], odd[M];
@@ -453,7 +466,7 @@ static void merge(const float* partial, int64_t chunks, int64_t stride, T* out) 
 // so a query's result is the same whatever the pass and the batch.
 template <int D, typename T>
 static void attend_rows(const float* queries, const T* keys, const T* values, T* out, const int64_t* slot, const int64_t* start,
-                        int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t A, float scale) {
+                        int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t A, float scale, bool causal) {
   const int64_t G = H / KV, count = G * Q, stride = count * (D + 2);
   int64_t chunks = 0;
   for (int64_t b = 0; b < B; ++b) chunks = std::max(chunks, (start[b] + Q + CHUNK - 1) / CHUNK);
@@ -468,7 +481,7 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < Q; ++i) {
           query[g * Q + i] = queries + ((b * Q + i) * H + h * G + g) * D;
-          visible[g * Q + i] = start[b] + i + 1;
+          visible[g * Q + i] = causal ? start[b] + i + 1 : start[b] + Q;
         }
       const int64_t at = (slot[b] * KV + h) * A * D;
       attend_chunk<D>(query.data(), visible.data(), count, keys + at, values + at, t0, std::min(t0 + CHUNK, start[b] + Q), scale,
@@ -479,7 +492,7 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
     for (int64_t w = w0; w < w1; ++w) {  // query: row b, token i, head h
       const int64_t b = w / (Q * H), i = w / H % Q, h = w % H;
       const float* first = partial.data() + (b * KV + h / G) * chunks * stride + ((h % G) * Q + i) * (D + 2);
-      merge<D>(first, (start[b] + i + CHUNK) / CHUNK, stride, out + w * D);
+      merge<D>(first, ((causal ? start[b] + i + 1 : start[b] + Q) + CHUNK - 1) / CHUNK, stride, out + w * D);
     }
   });
 }
@@ -489,10 +502,11 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
 //   cos, sin (B, Q, d) float32: the rotary embedding at each token's position
 //   keys, values (slots, KV, A, d): row b's tokens are written to slot slots[b], positions starts[b] .. starts[b] + Q − 1
 //   q_norm, k_norm (d,): Qwen3's per-head norms before the rotation, or empty tensors
-//   → (B, Q, H d): query (b, i) attends to positions 0 .. starts[b] + i of its slot
+//   → (B, Q, H d): query (b, i) attends to positions 0 .. starts[b] + i of its slot (causal), or to all of
+//     0 .. starts[b] + Q − 1 (not causal: a drafter's block, which attends both ways)
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor keys,
                      at::Tensor values, const at::Tensor& slots_in, const at::Tensor& starts_in, int64_t H,
-                     const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, double scale) {
+                     const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, double scale, bool causal) {
   const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   const at::Tensor slots = slots_in.to(at::kLong).contiguous(), starts = starts_in.to(at::kLong).contiguous();
   const int64_t B = qkv.size(0), Q = qkv.size(1), KV = keys.size(1), A = keys.size(2), d = keys.size(3);
@@ -523,9 +537,83 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cos_in, const a
         std::memcpy(vp + at, heads + (H + KV + h) * d, d * sizeof(T));
       }
     }
-    with_head_dim(d, [&](auto D) { attend_rows<decltype(D)::value>(qp, kp, vp, op, slot, start, B, Q, H, KV, A, float(scale)); });
+    with_head_dim(d, [&](auto D) { attend_rows<decltype(D)::value>(qp, kp, vp, op, slot, start, B, Q, H, KV, A, float(scale), causal); });
   });
   return out;
+}
+
+// ------------------------------------------------------------------------------------------------ the drafter's head
+
+// out (M, N) float32 = x (M, K) float32 @ wᵀ, w (N, K) dense in T, over the threads
+template <typename T>
+static void dense(const at::Tensor& w, const float* x, float* out, int64_t M) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const Dense<T> weights{w.data_ptr<T>(), K};
+  linear_float(weights, x, out, M, N);
+}
+
+// A DLite drafter's sequential head, left to right over K positions with greedy picks (model.py, Head):
+//   s_i = g ⊙ s_{i−1} + (1 − g) ⊙ tanh(c), [g, c] = W_g [s_{i−1}; E(x_{i−1})] + b_g (without ``gate``: s stays)
+//   logits_i = W_V (W_s s_i + from_h_i), x_i = draft_ids[argmax logits_i]
+//   from_h (B, K, R): the latent's h part and bias; state (B, R); previous (B,): the anchor's target ids
+//   → draft tokens (B, K) (target ids) and the head's probability of each (B, K)
+std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& from_h_in, const at::Tensor& state_in, const at::Tensor& previous_in,
+                                               const at::Tensor& token_embedding, const at::Tensor& gate_weight, const at::Tensor& gate_bias,
+                                               const at::Tensor& latent_state, const at::Tensor& vocab, const at::Tensor& draft_ids_in) {
+  const at::Tensor from_h = from_h_in.to(at::kFloat).contiguous(), draft_ids = draft_ids_in.to(at::kLong).contiguous();
+  const int64_t B = from_h.size(0), K = from_h.size(1), R = from_h.size(2), V = vocab.size(0);
+  const bool recurrent = gate_weight.numel() > 0;
+  TORCH_CHECK(R % GROUP == 0 && vocab.is_contiguous() && latent_state.is_contiguous() && (!recurrent || token_embedding.is_contiguous()),
+              "greedy_head: the rank must be a multiple of 32, the weights contiguous");
+  std::vector<float> state(B * R), joined(B * 2 * R), gated(B * 2 * R), latent(B * R), logits(B * V);
+  const at::Tensor state_float = state_in.to(at::kFloat).contiguous();
+  std::memcpy(state.data(), state_float.data_ptr<float>(), B * R * sizeof(float));
+  std::vector<int64_t> previous(B);
+  const at::Tensor previous_long = previous_in.to(at::kLong).contiguous();
+  std::memcpy(previous.data(), previous_long.data_ptr<int64_t>(), B * sizeof(int64_t));
+  at::Tensor tokens = at::empty({B, K}, at::kLong), confidence = at::empty({B, K}, at::kFloat);
+  const at::ScalarType dtype = vocab.scalar_type();
+  auto matmul = [&](const at::Tensor& w, const float* x, float* out) {
+    if (dtype == at::kBFloat16) dense<BFloat16>(w, x, out, B);
+    else dense<float>(w, x, out, B);
+  };
+  const at::Tensor bias = gate_bias.to(at::kFloat).contiguous();
+  for (int64_t i = 0; i < K; ++i) {
+    if (recurrent) {
+      for (int64_t b = 0; b < B; ++b) {
+        std::memcpy(joined.data() + b * 2 * R, state.data() + b * R, R * sizeof(float));
+        float* embedded = joined.data() + b * 2 * R + R;  // E(x_{i−1})
+        FLOAT_OR_BF16(token_embedding.scalar_type(), "greedy_head", [&] {
+          const scalar_t* row = token_embedding.data_ptr<scalar_t>() + previous[b] * R;
+          for (int64_t r = 0; r < R; ++r) embedded[r] = float(row[r]);
+        });
+      }
+      matmul(gate_weight, joined.data(), gated.data());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = 0; r < R; ++r) {
+          const float g = 1.f / (1.f + std::exp(-(gated[b * 2 * R + r] + bias.data_ptr<float>()[r])));
+          const float c = std::tanh(gated[b * 2 * R + R + r] + bias.data_ptr<float>()[R + r]);
+          state[b * R + r] = c + g * (state[b * R + r] - c);
+        }
+    }
+    matmul(latent_state, state.data(), latent.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t r = 0; r < R; ++r) latent[b * R + r] += from_h.data_ptr<float>()[(b * K + i) * R + r];
+    matmul(vocab, latent.data(), logits.data());
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = logits.data() + b * V;
+      const int64_t best = std::max_element(row, row + V) - row;
+      f32x16 sums{};
+      int64_t v = 0;
+      for (; v + 16 <= V; v += 16) sums += exp16(load(row + v) - row[best]);
+      float total = sum(sums);
+      for (; v < V; ++v) total += std::exp(row[v] - row[best]);
+      previous[b] = draft_ids.data_ptr<int64_t>()[best];
+      tokens.data_ptr<int64_t>()[b * K + i] = previous[b];
+      confidence.data_ptr<float>()[b * K + i] = 1.f / total;
+    }
+  }
+  return {tokens, confidence};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -535,4 +623,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "h, delta (…, H) → (h + delta, RMSNorm(h + delta))");
   m.def("silu_mul", &silu_mul, "[gate, up] (…, 2I) → silu(gate) * up (…, I)");
   m.def("attention", &attention, "a pass's attention with its rotary embedding and KV-cache writes");
+  m.def("greedy_head", &greedy_head, "a DLite drafter's sequential head over K positions, greedy");
 }

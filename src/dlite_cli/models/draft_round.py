@@ -2,12 +2,13 @@
 fewer and cheaper ops.
 
 A draft round at batch 1 is some 60 small matmuls and a few hundred elementwise ops, so on a CPU its time is
-mostly each op's fixed cost, not arithmetic (the smollm2-135m drafter's round: 5.0 ms eagerly in ``Drafter.draft``
-on a 2-core AVX-512 EPYC, for 16 MB of weights).  Here, per backbone layer, the context slots and the queries go
-through one fused q/k/v matmul, and their rotary tables are computed once (their local positions are fixed); on a
-CPU every linear is oneDNN-packed (linears.py); the head's latent ``W_u [s_i; h_i]`` takes its h part for all K
-positions in one matmul before the loop; and the proposals' probabilities are computed once, after it (3.0 ms).
-The training stages use :class:`Drafter` itself; a test holds this to the same tokens and logits in float32.
+mostly each op's fixed cost, not arithmetic (the smollm2-135m drafter's round: 10.5 ms eagerly in ``Drafter.draft``
+on a 2-core AVX-512 EPYC in bfloat16, for 16 MB of weights).  Here the backbone's layers run as the target's passes
+do (layer_ops.py: dlite's CPU kernels where they are built), the context slots and the queries through one fused
+q/k/v matmul and one call of attention that sees both ways, their rotary tables computed once (their local positions
+are fixed); on a CPU every linear is oneDNN-packed (linears.py); the head's latent ``W_u [s_i; h_i]`` takes its h part
+for all K positions in one matmul, and a greedy round runs the head's K steps in one kernel call.  The training
+stages use :class:`Drafter` itself; a test holds this to the same tokens and probabilities in float32.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernels import GROUP
+from .layer_ops import KernelOps, PassPositions, layer_ops
 from .linears import Projection, packs
-from .model import Drafter, apply_rope, greedy_pick, grouped_attention, rope
+from .model import Drafter, greedy_pick, rope
 
 
 class DraftRound:
-    """``draft_round(context (B, S, H), tokens (B, G), embed, pick)`` → tokens (B, K), logits (B, K, V'),
-    confidence (B, K), as :meth:`Drafter.draft` for a W = 0 ``drafter`` (frozen while this lives: its linears are
-    packed once)."""
+    """``draft_round(context (B, S, H), tokens (B, G), embed, pick)`` → tokens (B, K), logits (B, K, V') (None for a
+    greedy round on dlite's CPU kernels, which keeps none), confidence (B, K), as :meth:`Drafter.draft` for a W = 0
+    ``drafter`` (frozen while this lives: its linears are packed once)."""
 
     def __init__(self, drafter: Drafter):
         if drafter.spec.history_window != 0:
@@ -30,55 +33,66 @@ class DraftRound:
         self.drafter, spec = drafter, drafter.spec
         weight = drafter.norm.weight
         pack = packs(weight.device, weight.dtype)
+        self.ops = layer_ops(spec.num_heads, spec.num_kv_heads, spec.head_dim, weight)
         self.layers = [(layer, Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
                         Projection([layer.self_attn.o_proj], pack), Projection([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
                         Projection([layer.mlp.down_proj], pack)) for layer in drafter.layers]
-        slots = 1 if spec.composition == "feature" else len(spec.target_layer_ids)
-        positions = torch.cat([torch.full((slots,), spec.context_position), torch.arange(spec.anchor_group + spec.draft_tokens)])
+        self.next_norms = [layer.input_layernorm for layer in drafter.layers[1:]] + [drafter.norm]
+        self.slots = 1 if spec.composition == "feature" else len(spec.target_layer_ids)
+        positions = torch.cat([torch.full((self.slots,), spec.context_position), torch.arange(spec.anchor_group + spec.draft_tokens)])
         cos, sin = rope(positions.to(weight.device)[None], spec.head_dim, spec.rope_theta)  # (1, slots + G + K, d)
         self.cos, self.sin = cos.to(weight.dtype), sin.to(weight.dtype)
         head = drafter.head
         latent_s, latent_h = head.latent.weight.split([head.rank, spec.hidden_size], dim=1)
-        self.latent_h = (latent_h.contiguous(), head.latent.bias)  # for all K positions at once
-        self.latent_s = Projection([_linear(latent_s)], pack)
+        self.latent_h = Projection([_linear(latent_h, head.latent.bias)], pack)  # for all K positions at once
+        self.latent_s_weight = latent_s.contiguous()
+        self.latent_s = Projection([_linear(self.latent_s_weight)], pack)
         self.gate = Projection([head.gate], pack) if head.recurrent else None
         self.vocab = Projection([head.vocab], pack)
+        self.greedy_kernel = isinstance(self.ops, KernelOps) and head.rank % GROUP == 0  # the head's K steps in one call
 
     @torch.no_grad()
     def __call__(self, context: torch.Tensor, tokens: torch.Tensor, embed, pick=greedy_pick):
-        drafter, spec = self.drafter, self.drafter.spec
-        B, G, K = tokens.shape[0], spec.anchor_group, spec.draft_tokens
-        slots = drafter.context_slots(context)
+        drafter, spec, ops = self.drafter, self.drafter.spec, self.ops
+        B, G, K, C = tokens.shape[0], spec.anchor_group, spec.draft_tokens, self.slots
+        slots = self._context_slots(context)
         embedded = embed(tokens).to(slots.dtype)
         if spec.mask_token_id >= 0:
             placeholders = embed(torch.full((B, K), spec.mask_token_id, device=tokens.device)).to(slots.dtype)
         else:
             placeholders = drafter.placeholders.expand(B, -1, -1)
-        x = torch.cat([embedded, placeholders], dim=1)  # (B, G + K, H)
-        for layer, qkv, o, gate_up, down in self.layers:
-            x = x + o(self._attention(layer.self_attn, qkv, slots, layer.input_layernorm(x)))[0]
-            gate, up = gate_up(layer.post_attention_layernorm(x))
-            x = x + down(F.silu(gate) * up)[0]
-        return self._head(drafter.norm(x[:, G:]), tokens, pick)
+        h = torch.cat([embedded, placeholders], dim=1)  # (B, G + K, H)
+        x = ops.norm(h, drafter.layers[0].input_layernorm)
+        # the block attends both ways over [slots; block], whose keys/values go to a cache of the round's own
+        at = PassPositions(slice(0, B), torch.arange(B, device=tokens.device), torch.arange(C + G + K, device=tokens.device).expand(B, -1),
+                           C + G + K, None, 0, self.cos.expand(B, -1, -1), self.sin.expand(B, -1, -1), causal=False)
+        cache = (B, spec.num_kv_heads, C + G + K, spec.head_dim)
+        for (layer, qkv, o, gate_up, down), next_norm in zip(self.layers, self.next_norms):
+            keys, values = slots.new_empty(cache), slots.new_empty(cache)
+            attended = ops.attention(layer.self_attn, qkv.fused(torch.cat([slots, x], dim=1)), keys, values, at)[:, C:]
+            h, x = ops.add_norm(h, o.fused(attended), layer.post_attention_layernorm)
+            h, x = ops.add_norm(h, down.fused(ops.gate(gate_up.fused(x), F.silu)), next_norm)
+        return self._head(x[:, G:], tokens, pick)
 
-    def _attention(self, attention, qkv: Projection, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Queries from ``x`` (B, Q, H), keys/values from [slots; x], bidirectional → (B, Q, H) before o_proj."""
-        B, C, Q, d = slots.shape[0], slots.shape[1], x.shape[1], attention.head_dim
-        q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv(torch.cat([slots, x], dim=1)))  # (B, C + Q, heads, d)
-        q = q[:, C:]
-        if attention.qk_norm:
-            q, k = attention.q_norm(q), attention.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), self.cos[:, C:], self.sin[:, C:])
-        k = apply_rope(k.transpose(1, 2), self.cos, self.sin)
-        out = grouped_attention(q, k, v.transpose(1, 2))  # (B, heads, Q, d)
-        return out.transpose(1, 2).reshape(B, Q, -1)
+    def _context_slots(self, context: torch.Tensor) -> torch.Tensor:
+        """:meth:`Drafter.context_slots`, its norm on the layer ops."""
+        drafter = self.drafter
+        if drafter.spec.composition == "feature":
+            return drafter.context_slots(context)
+        return self.ops.norm(context.to(drafter.norm.weight.dtype) + drafter.depth_embedding.weight, drafter.context_norm)
 
     def _head(self, h: torch.Tensor, tokens: torch.Tensor, pick):
         """h (B, K, H) → the head's left-to-right proposals (see :meth:`Head.free_running`)."""
         head = self.drafter.head
-        from_h = F.linear(h, *self.latent_h)  # (B, K, R): W_u's h part, and its bias
+        from_h = self.latent_h(h)[0]  # (B, K, R): W_u's h part, and its bias
         seed = tokens[:, -2] if self.drafter.spec.anchor_group > 1 else None
         state, previous = head.initial_state(h, seed), tokens[:, -1]
+        if pick is greedy_pick and self.greedy_kernel:
+            none = self.ops.none
+            recurrent = (head.token_embedding.weight, head.gate.weight, head.gate.bias) if head.recurrent else (none, none, none)
+            chosen, confidence = self.ops.kernels.greedy_head(from_h, state, previous, *recurrent, self.latent_s_weight, head.vocab.weight,
+                                                              head.draft_ids)
+            return chosen, None, confidence
         chosen, logits = [], []
         for i in range(h.shape[1]):
             if self.gate is not None:
@@ -93,8 +107,10 @@ class DraftRound:
         return head.draft_ids[chosen], logits, confidence
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    """A bias-free Linear holding ``weight`` (out, in)."""
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    """A Linear holding ``weight`` (out, in) and ``bias``."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     linear.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
     return linear

@@ -1,25 +1,29 @@
-"""The operations a target's decoder layer is made of, as the decoding engine's passes run them (runner.py): dlite's
-CPU kernels where they are built (:class:`KernelOps`, cpu_kernels.py), eager ATen ops elsewhere (:class:`EagerOps`).
+"""The operations a decoder layer is made of, as the decoding engine runs them: the target's passes (runner.py) and a
+DLite drafter's round (draft_round.py).  dlite's CPU kernels where they are built (:class:`KernelOps`, cpu_kernels.py),
+eager ATen ops elsewhere (:class:`EagerOps`).
 
-    norm(x, module)                 RMSNorm with a Hugging Face norm module's weight
+    norm(x, module)                 RMSNorm with a norm module's weight (Hugging Face's or torch's)
     add_norm(h, delta, module)      (h + delta, RMSNorm(h + delta)): a residual connection and the next norm
     gate(gate_up)                   silu(gate) · up, from the fused gate/up projection's output
     attention(module, qkv, keys, values, at)
                                     a layer's attention from its fused q/k/v projection's output (B, Q, ·): q/k norms
                                     (Qwen3), the rotary embedding, the new keys/values written into the cache rows
                                     ``at`` names (:class:`PassPositions`), attention over each row's held tokens and
-                                    its own → (B, Q, heads·d)
+                                    its own (or, not causal, over all of them) → (B, Q, heads·d)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import MAX_HEAD_DIM, kernels
 from .model import grouped_attention
+
+KERNEL_TOKENS = 16  # the most tokens a row of a pass has for the attention kernel to run it (a prefill's chunks run SDPA's)
 
 
 @dataclass
@@ -32,7 +36,13 @@ class PassPositions:
     span: int  # the cache entries the eager ops attend over
     mask: torch.Tensor | None  # (B, 1, Q, span): key j visible to query (b, i); None: one row, causal
     start: int | None  # the position every row's tokens start at, where the host knows it is one
-    rotary: object  # the rotary embedding at ``positions``, as the ops apply it (:meth:`rotary`)
+    cos: torch.Tensor  # (B, Q, d) the rotary embedding of each token, as the model's ``rotary_emb`` gives it
+    sin: torch.Tensor
+    causal: bool = True  # False: every token of a row sees all of the row's (a drafter's block; the eager ops' mask says the same)
+
+    @cached_property
+    def rotation(self) -> Rotation:
+        return Rotation(self.cos, self.sin)
 
 
 class EagerOps:
@@ -41,15 +51,12 @@ class EagerOps:
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
-    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
-        return Rotation(cos, sin)
-
     def norm(self, x: torch.Tensor, module) -> torch.Tensor:
-        return rms_norm(module, x)
+        return F.rms_norm(x, module.weight.shape, module.weight, epsilon(module))
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
         h = h + delta
-        return h, rms_norm(module, h)
+        return h, self.norm(h, module)
 
     def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -61,8 +68,8 @@ class EagerOps:
         qkv = qkv.view(B, Q, -1, self.head_dim)  # (B, Q, heads + 2 kv_heads, d)
         qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
         if hasattr(module, "q_norm"):  # qwen3
-            qk = torch.cat([rms_norm(module.q_norm, qk[:, :, :heads]), rms_norm(module.k_norm, qk[:, :, heads:])], dim=2)
-        qk = at.rotary(qk)
+            qk = torch.cat([self.norm(qk[:, :, :heads], module.q_norm), self.norm(qk[:, :, heads:], module.k_norm)], dim=2)
+        qk = at.rotation(qk)
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:]
         if at.start is not None:  # (B, kv_heads, Q, d) into each row's run of positions
             where = (at.rows, slice(None), slice(at.start, at.start + Q))
@@ -75,47 +82,53 @@ class EagerOps:
 
 
 class KernelOps(EagerOps):
-    """A layer's operations as dlite's CPU kernels: one call each (cpu_kernels.cpp)."""
+    """A layer's operations as dlite's CPU kernels: one call each (cpu_kernels.cpp); the attention of a pass whose rows
+    hold more than KERNEL_TOKENS tokens runs SDPA's flash kernel, which is the faster there."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, module):
         super().__init__(heads, kv_heads, head_dim)
         self.kernels = module
         self.none = torch.empty(0)
 
-    def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos.float(), sin.float()
-
     def norm(self, x: torch.Tensor, module) -> torch.Tensor:
-        return self.kernels.rms_norm(x, module.weight, module.variance_epsilon)
+        return self.kernels.rms_norm(x, module.weight, epsilon(module))
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.add_rms_norm(h, delta, module.weight, module.variance_epsilon)
+        return self.kernels.add_rms_norm(h, delta, module.weight, epsilon(module))
 
     def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
 
     def attention(self, module, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
+        if qkv.shape[1] > KERNEL_TOKENS:
+            return super().attention(module, qkv, keys, values, at)
         q_norm, k_norm = (module.q_norm, module.k_norm) if hasattr(module, "q_norm") else (None, None)
-        return self.kernels.attention(qkv, *at.rotary, keys, values, at.slots, at.positions[:, 0], self.heads,
+        return self.kernels.attention(qkv, at.cos, at.sin, keys, values, at.slots, at.positions[:, 0], self.heads,
                                       self.none if q_norm is None else q_norm.weight, self.none if k_norm is None else k_norm.weight,
-                                      q_norm.variance_epsilon if q_norm is not None else 0.0, module.scaling)
+                                      epsilon(q_norm) if q_norm is not None else 0.0, module.scaling, at.causal)
 
 
-def layer_ops(model) -> EagerOps:
-    """The ops the engine runs ``model``'s layers with: dlite's CPU kernels for a CPU target in float32 or bfloat16
-    with SiLU MLPs and head dims of a multiple of 16 up to MAX_HEAD_DIM (where the kernels build here), eager ATen ops otherwise."""
-    config, parameter = model.config, next(model.parameters())
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = model.model.layers[0].self_attn.head_dim
-    fits = (parameter.device.type == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and getattr(config, "hidden_act", "silu") == "silu")
+def layer_ops(heads: int, kv_heads: int, head_dim: int, weight: torch.Tensor, silu: bool = True) -> EagerOps:
+    """The ops a model's layers run with (``weight``: one of its weights, for its device and dtype): dlite's CPU kernels
+    on a CPU in float32 or bfloat16, with SiLU MLPs and head dims of a multiple of 16 up to MAX_HEAD_DIM (where the
+    kernels build here); eager ATen ops otherwise."""
+    fits = (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
+            and head_dim <= MAX_HEAD_DIM and silu)
     module = kernels() if fits else None
     return KernelOps(heads, kv_heads, head_dim, module) if module is not None else EagerOps(heads, kv_heads, head_dim)
 
 
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face RMSNorm module's function, in one fused op (its own forward is seven)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+def target_ops(model) -> EagerOps:
+    """:func:`layer_ops` for a Hugging Face target."""
+    config = model.config
+    return layer_ops(config.num_attention_heads, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
+                     next(model.parameters()), getattr(config, "hidden_act", "silu") == "silu")
+
+
+def epsilon(norm) -> float:
+    """An RMSNorm module's epsilon: Hugging Face's ``variance_epsilon``, torch's ``eps`` (None: its dtype's)."""
+    value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return value if value is not None else torch.finfo(norm.weight.dtype).eps
 
 
 class Rotation:

@@ -182,7 +182,7 @@ class Attention(nn.Module):
     def __init__(self, spec: DrafterSpec):
         super().__init__()
         d, h, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.heads, self.kv_heads, self.head_dim, self.scaling = h, kv, d, d**-0.5
         self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=False)
         self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=False)

@@ -13,7 +13,7 @@ and the hidden states of the drafter's S layers; ``commit(slot, ids)`` then reco
 slot keeps (the accepted ones: entries beyond a slot's length are masked now and overwritten later).
 Rows of different lengths share one batched pass, which is what lets each row accept its own number
 of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused, oneDNN-packed, and 4- or 8-bit
-where the weights are), the rest of a layer through :func:`layer_ops.layer_ops` (on a CPU: dlite's kernels, one call
+where the weights are), the rest of a layer through :func:`layer_ops.target_ops` (on a CPU: dlite's kernels, one call
 an operation).  Two ways to run a pass (``decode.path``):
 
     eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..core.devices import median_ms
 from ..core.errors import DliteError
 from .graphs import CudaGraphs, bucket_for
-from .layer_ops import PassPositions, layer_ops
+from .layer_ops import PassPositions, target_ops
 from .linears import target_linears
 from .model import SUPPORTED_FAMILIES
 
@@ -83,7 +83,7 @@ class TargetRunner:
         self.model, self.capture_layers, self.path, self.width = model, sorted(capture_layers), path, width
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
-        self.linears, self.ops = target_linears(model), layer_ops(model)
+        self.linears, self.ops = target_linears(model), target_ops(model)
         shape = (slots, self.ops.kv_heads, min(capacity, INITIAL_ALLOCATION), self.ops.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -232,7 +232,7 @@ class TargetRunner:
         position every row's tokens begin at, where the host knows it (the keys/values are then written as a slice)."""
         inner, ops = self.model.model, self.ops
         h = inner.embed_tokens(tokens)
-        at = PassPositions(rows, self._row_index(rows), positions, span, mask, start, ops.rotary(*inner.rotary_emb(h, positions)))
+        at = PassPositions(rows, self._row_index(rows), positions, span, mask, start, *inner.rotary_emb(h, positions))
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [inner.norm]
         x = ops.norm(h, self.layers[0].input_layernorm)
         captured = []
