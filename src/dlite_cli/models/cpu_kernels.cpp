@@ -371,7 +371,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 // ------------------------------------------------------------------------------------------------ attention
 
 constexpr int64_t MAX_HEAD_DIM = 128;  // attention takes head dims of a multiple of 16 up to this (SmolLM2 64, Qwen3 128)
-constexpr int64_t CHUNK = 256;  // the keys a work item of attention covers
+constexpr int64_t MAX_GROUP = 8;  // and up to this many query heads a KV head (SmolLM2 3, Qwen3-4B 4, Qwen3-8B 4)
 
 // One head x (d,) at one position, after Qwen3's per-head RMSNorm where ``norm`` is given, turned by the rotary
 // embedding (cos, sin (d,); Hugging Face's rotate_half convention) → out (d,) float32, each value rounded to T as
@@ -400,99 +400,74 @@ static void with_head_dim(int64_t d, F f) {
   }
 }
 
-// Attention over a chunk of a head's keys, for the queries that share the head (a group's heads × a row's tokens).
-// Query q sees keys t0 ≤ t < min(t1, visible[q]); its result is left in partial (count, D + 2): the largest score
-// m, Σ e^(score − m) and Σ e^(score − m) v (D,), which :func:`merge` combines over chunks.  scores: (count, CHUNK).
-template <int D, typename T>
-static void attend_chunk(const float* const* queries, const int64_t* visible, int64_t count, const T* K, const T* V,
-                         int64_t t0, int64_t t1, float scale, float* scores, float* partial) {
-  for (int64_t t = t0; t < t1; ++t) {  // each key read once for all the queries
+// The G queries q (G, D) of the heads that share a KV head, at one position, over the first n of its keys and values
+// K, V (n, D) → out (G, D) = softmax(q·Kᵀ·scale)·V (each key and value read once for the G); ``scores`` (G, n) their
+// scratch.  A query's arithmetic is its own: the same whatever else a pass holds.
+template <int D, int G, typename T>
+static void attend(const float* q, const T* K, const T* V, int64_t n, float scale, float* scores, T* out) {
+  f32x16 query[G][D / 16], acc[G][D / 16];
+  float top[G], normaliser[G];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < D / 16; ++j) query[g][j] = load(q + g * D + 16 * j) * scale;
+    top[g] = -INFINITY;
+  }
+  for (int64_t t = 0; t < n; ++t) {
     f32x16 key[D / 16];
     for (int j = 0; j < D / 16; ++j) key[j] = load(K + t * D + 16 * j);
-    for (int64_t q = 0; q < count; ++q) {
-      if (t >= visible[q]) continue;
+    for (int g = 0; g < G; ++g) {
       f32x16 products{};
-      for (int j = 0; j < D / 16; ++j) products += load(queries[q] + 16 * j) * key[j];
-      scores[q * CHUNK + t - t0] = sum(products) * scale;
+      for (int j = 0; j < D / 16; ++j) products += query[g][j] * key[j];
+      scores[g * n + t] = sum(products);
+      top[g] = std::max(top[g], scores[g * n + t]);
     }
   }
-  for (int64_t q = 0; q < count; ++q) {
-    float* score = scores + q * CHUNK;
-    float* out = partial + q * (D + 2);
-    const int64_t n = std::min(t1, visible[q]) - t0;
-    f32x16 acc[D / 16];
-    for (int j = 0; j < D / 16; ++j) acc[j] = f32x16{};
-    float top = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, score[t]);
+  for (int g = 0; g < G; ++g) {
+    float* score = scores + g * n;
     f32x16 total{};
     int64_t t = 0;
     for (; t + 16 <= n; t += 16) {
-      const f32x16 e = exp16(load(score + t) - top);
+      const f32x16 e = exp16(load(score + t) - top[g]);
       store(score + t, e);
       total += e;
     }
     for (; t < n; ++t) {  // the last few, one at a time
-      score[t] = exp16(splat(score[t] - top))[0];
+      score[t] = exp16(splat(score[t] - top[g]))[0];
       total[0] += score[t];
     }
-    for (t = 0; t < n; ++t)
-      for (int j = 0; j < D / 16; ++j) acc[j] += score[t] * load(V + (t0 + t) * D + 16 * j);
-    out[0] = top;
-    out[1] = sum(total);
-    for (int j = 0; j < D / 16; ++j) store(out + 2 + 16 * j, acc[j]);
+    normaliser[g] = 1.f / sum(total);
+    for (int j = 0; j < D / 16; ++j) acc[g][j] = f32x16{};
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    f32x16 value[D / 16];
+    for (int j = 0; j < D / 16; ++j) value[j] = load(V + t * D + 16 * j);
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < D / 16; ++j) acc[g][j] += scores[g * n + t] * value[j];
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < D / 16; ++j) store(out + g * D + 16 * j, acc[g][j] * normaliser[g]);
+}
+
+// f(std::integral_constant<int, G>) for the query heads a KV head serves (1 to MAX_GROUP)
+template <int G = 1, typename F>
+static void with_group(int64_t group, F f) {
+  if constexpr (G <= MAX_GROUP) {
+    if (group == G) return f(std::integral_constant<int, G>{});
+    with_group<G + 1>(group, f);
   }
 }
 
-// One query's attention from its chunks' partial results (``chunks`` of them, ``stride`` apart) → out (D,)
-template <int D, typename T>
-static void merge(const float* partial, int64_t chunks, int64_t stride, T* out) {
-  float top = -INFINITY;
-  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, partial[c * stride]);
-  f32x16 acc[D / 16];
-  for (int j = 0; j < D / 16; ++j) acc[j] = f32x16{};
-  float total = 0.f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float* chunk = partial + c * stride;
-    const float weight = std::exp(chunk[0] - top);
-    total += weight * chunk[1];
-    for (int j = 0; j < D / 16; ++j) acc[j] += weight * load(chunk + 2 + 16 * j);
-  }
-  for (int j = 0; j < D / 16; ++j) store(out + 16 * j, acc[j] / total);
-}
-
-// The attention of a pass's queries (B, Q, H, D) float32 over their rows' keys and values → out (B, Q, H·D).  Work is
-// split by row, KV head and chunk of CHUNK keys (a long row's keys spread over the threads, each key read once for
-// the group's heads and the row's tokens), then each query merges its chunks.  The chunks start at fixed positions,
-// so a query's result is the same whatever the pass and the batch.
-template <int D, typename T>
+// The attention of a pass's queries (B, Q, H, D) float32 over their rows' keys and values → out (B, Q, H·D), a work
+// item a token and KV head
+template <int D, int G, typename T>
 static void attend_rows(const float* queries, const T* keys, const T* values, T* out, const int64_t* slot, const int64_t* start,
-                        int64_t B, int64_t Q, int64_t H, int64_t KV, int64_t A, float scale, bool causal) {
-  const int64_t G = H / KV, count = G * Q, stride = count * (D + 2);
-  int64_t chunks = 0;
-  for (int64_t b = 0; b < B; ++b) chunks = std::max(chunks, (start[b] + Q + CHUNK - 1) / CHUNK);
-  std::vector<float> partial(B * KV * chunks * stride);
-  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores(count * CHUNK);
-    std::vector<const float*> query(count);
-    std::vector<int64_t> visible(count);
-    for (int64_t w = w0; w < w1; ++w) {  // work item: row b, KV head h, chunk c
-      const int64_t b = w / (KV * chunks), h = w / chunks % KV, c = w % chunks, t0 = c * CHUNK;
-      if (t0 >= start[b] + Q) continue;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < Q; ++i) {
-          query[g * Q + i] = queries + ((b * Q + i) * H + h * G + g) * D;
-          visible[g * Q + i] = causal ? start[b] + i + 1 : start[b] + Q;
-        }
+                        int64_t B, int64_t Q, int64_t KV, int64_t A, float scale, bool causal) {
+  at::parallel_for(0, B * Q * KV, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {  // row b, token i, KV head h: query heads h G .. h G + G − 1
+      const int64_t b = w / (Q * KV), i = w / KV % Q, h = w % KV, n = causal ? start[b] + i + 1 : start[b] + Q;
       const int64_t at = (slot[b] * KV + h) * A * D;
-      attend_chunk<D>(query.data(), visible.data(), count, keys + at, values + at, t0, std::min(t0 + CHUNK, start[b] + Q), scale,
-                      scores.data(), partial.data() + w * stride);
-    }
-  });
-  at::parallel_for(0, B * Q * H, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {  // query: row b, token i, head h
-      const int64_t b = w / (Q * H), i = w / H % Q, h = w % H;
-      const float* first = partial.data() + (b * KV + h / G) * chunks * stride + ((h % G) * Q + i) * (D + 2);
-      merge<D>(first, ((causal ? start[b] + i + 1 : start[b] + Q) + CHUNK - 1) / CHUNK, stride, out + w * D);
+      scores.resize(G * n);
+      attend<D, G>(queries + w * G * D, keys + at, values + at, n, scale, scores.data(), out + w * G * D);
     }
   });
 }
@@ -511,7 +486,8 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cos_in, const a
   const at::Tensor slots = slots_in.to(at::kLong).contiguous(), starts = starts_in.to(at::kLong).contiguous();
   const int64_t B = qkv.size(0), Q = qkv.size(1), KV = keys.size(1), A = keys.size(2), d = keys.size(3);
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == qkv.scalar_type(), "attention: the cache");
-  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && H % KV == 0 && qkv.size(2) == (H + 2 * KV) * d, "attention: the heads' shapes");
+  TORCH_CHECK(d % 16 == 0 && d <= MAX_HEAD_DIM && H % KV == 0 && H / KV <= MAX_GROUP && qkv.size(2) == (H + 2 * KV) * d,
+              "attention: the heads' shapes");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* start = starts.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(start[b] + Q <= A, "attention: the pass runs past the cache's ", A, " positions");
@@ -537,7 +513,11 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cos_in, const a
         std::memcpy(vp + at, heads + (H + KV + h) * d, d * sizeof(T));
       }
     }
-    with_head_dim(d, [&](auto D) { attend_rows<decltype(D)::value>(qp, kp, vp, op, slot, start, B, Q, H, KV, A, float(scale), causal); });
+    with_head_dim(d, [&](auto D) {
+      with_group(H / KV, [&](auto G) {
+        attend_rows<decltype(D)::value, decltype(G)::value>(qp, kp, vp, op, slot, start, B, Q, KV, A, float(scale), causal);
+      });
+    });
   });
   return out;
 }
