@@ -9,6 +9,11 @@ from dlite_cli.decoding.proposers.ngram import NgramDrafter
 from dlite_cli.models.model import greedy_pick
 
 
+def drafts(costs: VerifyCosts, gain: tuple[float, float], draft_ms: float) -> bool:
+    """Whether a row with this recent gain is drafted when no other row of its round is."""
+    return costs.rows_to_draft([gain], draft_ms) == [0]
+
+
 def test_best_length_proposes_while_the_next_token_pays_for_its_verify():
     flat = VerifyCosts([40.0] * 5)  # a pass costs the same whatever it holds (a GPU at batch 1)
     assert flat.best_length([[0.2, 0.1, 0.1, 0.1]], draft_ms=5) == 4
@@ -31,7 +36,7 @@ def test_a_batched_round_proposes_one_length_for_its_rows_at_what_a_pass_over_th
     assert steep.best_length([[0.8, 0.5]], draft_ms=5) == 2  # alone: (1 + .8 + .4) / 65 beats 1 / 40
     assert steep.at(4).best_length([[0.8, 0.5]], draft_ms=5) == 0  # one row of four: 4.8 / 115 < 4 / 75
     assert steep.at(4).best_length([[0.9, 0.8]] * 4, draft_ms=5) == 2  # all four likely: (4 + 4 × 1.62) / 155 beats 7.6 / 115 and 4 / 75
-    assert not steep.at(4).worth_drafting((0.8, 1.0), draft_ms=5) and steep.worth_drafting((0.8, 1.0), draft_ms=5)
+    assert not drafts(steep.at(4), (0.8, 1.0), draft_ms=5) and drafts(steep, (0.8, 1.0), draft_ms=5)
     flat = VerifyCosts([40.0] * 8, padded=8)
     assert flat.at(4).ms == [40.0] * 8 and flat.at(4).best_length([[0.5] * 7, [0.1] * 7], draft_ms=5) == 7
     for _ in range(60):  # observed passes over 4 rows correct that batch's curve alone, its other widths with them
@@ -42,23 +47,37 @@ def test_a_batched_round_proposes_one_length_for_its_rows_at_what_a_pass_over_th
 def test_a_row_is_drafted_only_while_its_rounds_beat_plain_steps_at_the_width_they_verify():
     flat = VerifyCosts([40.0] * 5)
     # where a wide pass costs what a step does, a fifth of a token a round pays for a 5 ms draft: 1.2 × 40 ≥ 5 + 40
-    assert flat.worth_drafting((0.2, 4.0), draft_ms=5) and not flat.worth_drafting((0.1, 4.0), draft_ms=5)
+    assert drafts(flat, (0.2, 4.0), draft_ms=5) and not drafts(flat, (0.1, 4.0), draft_ms=5)
     steep = VerifyCosts([40.0, 60.0, 80.0, 100.0, 120.0])  # float32 on an AVX2 CPU: each token adds half a step
-    assert not steep.worth_drafting((0.6, 1.0), draft_ms=5)  # 1.6 × 40 < 5 + 60
-    assert steep.worth_drafting((0.7, 1.0), draft_ms=5)  # 1.7 × 40 ≥ 5 + 60
-    assert not steep.worth_drafting((0.7, 4.0), draft_ms=5)  # the same gain over four proposals: a verify of 5 tokens
-    assert steep.worth_drafting((0.0, 0.0), draft_ms=0)  # a round that proposes nothing costs a step
+    assert not drafts(steep, (0.6, 1.0), draft_ms=5)  # 1.6 × 40 < 5 + 60
+    assert drafts(steep, (0.7, 1.0), draft_ms=5)  # 1.7 × 40 ≥ 5 + 60
+    assert not drafts(steep, (0.7, 4.0), draft_ms=5)  # the same gain over four proposals: a verify of 5 tokens
+    assert not drafts(steep, (0.0, 0.0), draft_ms=0)  # a round that gains nothing is not drafted, costly or not
 
 
-def test_the_rows_of_a_batched_pass_propose_up_to_its_widest_row_for_nothing():
+def test_the_rows_of_a_batched_pass_propose_one_length_weighed_for_all_of_them():
+    """Each row alone would propose what pays for it; together they share the length that pays for the pass they share:
+    at nearly flat costs the likely row's 2 tokens, which the unlikely row proposes too, for nothing more."""
     lookup = NgramDrafter(4)
     lookup.adapt(VerifyCosts([40.0, 42.0, 44.0, 46.0, 48.0]))
     likely = SimpleNamespace(slot=0, tokens=[1, 2, 3, 4, 5, 6, 1, 2, 3])  # a 3-token match: [4, 5, 6, 1] follows
     unlikely = SimpleNamespace(slot=1, tokens=[7, 8, 9, 7])  # a 1-token match: [8, 9, 7]
-    assert (lookup.candidate(likely, 2).proposed, lookup.candidate(unlikely, 2).proposed) == (2, 1)  # each alone
+    costs, accepts = lookup.costs.at(2), [lookup.accepts(lookup.candidate(row)) for row in (likely, unlikely)]
+    assert [costs.best_length([accept], 0.0) for accept in accepts] == [2, 1]  # each as if the other proposed nothing
+    assert costs.best_length(accepts, 0.0) == 2
     draft = lookup.propose([likely, unlikely], greedy_pick)
     assert draft.lengths == [2, 2] and draft.tokens.tolist() == [[4, 5, 6, 1], [8, 9, 7, 0]]
     assert lookup.proposed[1].proposed == 2  # what the calibration learns from: the second token was reached too
+
+
+def test_rows_are_drafted_together_where_together_they_pay_for_the_pass_they_share():
+    """Over four rows a pass of 2 tokens a row costs 1.5 steps: one likely row's token does not pay for it, four do,
+    and a row that gains nothing is left out of a round the likely ones pay for."""
+    costs = VerifyCosts([40.0 + 10 * i for i in range(8)]).at(4)  # 70, 110, …: T_1 at 4, 8, … tokens
+    likely, unlikely = (0.9, 1.0), (0.05, 1.0)
+    assert costs.rows_to_draft([likely, unlikely, unlikely, unlikely], draft_ms=5) == []  # (4 + 0.9 + 0.15) / 115 < 4 / 70
+    assert costs.rows_to_draft([likely] * 4, draft_ms=5) == [0, 1, 2, 3]  # (4 + 3.6) / 115 ≥ 4 / 70
+    assert costs.rows_to_draft([likely, likely, (0.0, 1.0), likely], draft_ms=5) == [0, 1, 3]
 
 
 def test_calibration_learns_acceptance_of_the_positions_that_were_reached():
@@ -73,12 +92,12 @@ def test_calibration_learns_acceptance_of_the_positions_that_were_reached():
 
 def test_a_row_that_gains_nothing_is_skipped_then_probed_again():
     gain, costs = RowGain(), VerifyCosts([40.0, 41.0])
-    assert costs.worth_drafting(gain.expected(0), draft_ms=8)  # hopeful at first
+    assert drafts(costs, gain.expected(0), draft_ms=8)  # hopeful at first
     for _ in range(30):
         gain.drafted(0, accepted=0, proposed=1)
-    assert not costs.worth_drafting(gain.expected(0), draft_ms=8)
+    assert not drafts(costs, gain.expected(0), draft_ms=8)
     skipped = 0
-    while not costs.worth_drafting(gain.expected(0), draft_ms=8):
+    while not drafts(costs, gain.expected(0), draft_ms=8):
         gain.skipped(0)
         skipped += 1
     # 0.9^30 ≈ 0.04 accepted per round recovers to the threshold (8 + 41 − 40) / 40 at GAIN_HOPE a round
@@ -91,7 +110,7 @@ def test_where_drafting_never_pays_probes_cost_a_few_percent_of_plain_decoding()
     gain, costs, draft_ms = RowGain(), VerifyCosts([40.0, 60.0]), 5.0
     plain_ms = spent_ms = 0.0
     for round_ in range(3000):
-        drafted = costs.worth_drafting(gain.expected(0), draft_ms)
+        drafted = drafts(costs, gain.expected(0), draft_ms)
         if drafted:
             gain.drafted(0, accepted=0, proposed=1)
         else:
@@ -113,7 +132,7 @@ def test_short_rows_start_where_recent_rows_ended():
         gain, drafted = RowGain(), []
         for _ in range(200):
             for _ in range(25):
-                drafted.append(costs.worth_drafting(gain.expected(0), draft_ms))
+                drafted.append(drafts(costs, gain.expected(0), draft_ms))
                 gain.drafted(0, accepted, proposed=1) if drafted[-1] else gain.skipped(0)
             gain.forget(0)
         return drafted
@@ -140,7 +159,7 @@ def test_costs_follow_the_passes_the_engine_runs_at_the_rows_context():
     for _ in range(60):  # the context grows: a step costs 110 ms, and no row is drafted
         grown.observe(1, 110.0)
     assert abs(grown.cost(1) - 110.0) < 0.5 and grown.cost(3) > 125.0  # 95 ms at the shorter context
-    assert not grown.worth_drafting((0.25, 2.0), draft_ms=12)  # at 95 ms it would have looked paid for: 1.25 / 107 > 1 / 110
+    assert not drafts(grown, (0.25, 2.0), draft_ms=12)  # at 95 ms it would have looked paid for: 1.25 / 107 > 1 / 110
     padded = VerifyCosts([50.0] * 4, padded=4)  # the static path: every pass is 4 wide
     for _ in range(60):
         padded.observe(1, 40.0)

@@ -9,11 +9,11 @@ and commits on average
 tokens.  Per row and round the drafter estimates each a_j (:class:`Calibration`: what the target
 accepted of earlier proposals that looked alike — e.g. the same draft probability) and the round proposes
 the L that maximises tokens per millisecond (:meth:`VerifyCosts.best_length`): every row of a batched pass
-pays for its widest row, so the rows share one L.  On a CPU, where a verify of 8 tokens may cost 1.5 steps
+pays for its widest row, so the rows share one L, chosen for all of them together.  On a CPU, where a verify of 8 tokens may cost 1.5 steps
 (and a pass over 4 rows of 8 tokens far more), that cuts the proposals a weak drafter would waste; where a
 wider pass costs nothing extra (a GPU's fixed-shape path) it keeps all K.  A row is drafted at all only
-while its recent drafted rounds, at the lengths they proposed, commit tokens faster than plain steps
-would (:meth:`VerifyCosts.worth_drafting`, from the row's :class:`RowGain`): where a wide pass costs more
+while its recent drafted rounds, at the lengths they proposed, with the other rows drafted beside it, commit
+tokens faster than plain steps would (:meth:`VerifyCosts.rows_to_draft`, from the rows' :class:`RowGain`): where a wide pass costs more
 than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  A new
 row starts where recent rows ended, so short turns (a chat's, 32 tokens in the bench) do not each
 relearn that drafting does not pay.  The draft round's cost is measured at start-up, warm, like the
@@ -104,10 +104,21 @@ class VerifyCosts:
         accepted, and the batch's other rows take a plain step: (B + accepted) / (draft_ms + T_B(proposed + 1))."""
         return (self.batch + accepted) / (draft_ms + self.cost(round(proposed) + 1))
 
-    def worth_drafting(self, gain: tuple[float, float], draft_ms: float) -> bool:
-        """A row's round pays if, at its recent (accepted, proposed) per drafted round (:meth:`RowGain.expected`),
-        the batch commits tokens at least as fast as by plain steps: rate(accepted, proposed, draft_ms) ≥ B / T_B(1)."""
-        return self.rate(*gain, draft_ms) >= self.rate(0.0, 0.0, 0.0)
+    def rows_to_draft(self, gains: list[tuple[float, float]], draft_ms: float) -> list[int]:
+        """Which rows of a round over B rows to draft, at each row's recent (accepted, proposed) per drafted round
+        (:meth:`RowGain.expected`): the rows in order of accepted tokens, as long as together they commit tokens at
+        least as fast as plain steps would, (B + Σ accepted) / (draft_ms + T_B(widest proposed + 1)) > B / T_B(1),
+        and the set that commits fastest; none where no set pays.  Over four rows a pass of 2 tokens a row may cost
+        1.5 steps: one row's likely token does not pay for it, four rows' do."""
+        plain = self.batch / self.cost(1)
+        best, best_rate, chosen, accepted, widest = [], plain, [], 0.0, 0.0
+        for row in sorted(range(len(gains)), key=lambda r: -gains[r][0]):
+            chosen.append(row)
+            accepted, widest = accepted + gains[row][0], max(widest, gains[row][1])
+            rate = (self.batch + accepted) / (draft_ms + self.cost(round(widest) + 1))
+            if rate > best_rate:
+                best, best_rate = list(chosen), rate
+        return sorted(best)
 
 
 @dataclass

@@ -8,8 +8,9 @@ add before it, the MLP's gate, and a pass's whole attention (rotary embedding, K
 each row's own length).  Each computes in float32, and a row alike whatever else the pass holds, so a position's
 result does not depend on how many tokens or rows were verified with it.
 
-They are compiled once per machine, with its compiler and for its instruction set (``-march=native``), into the
-dlite cache, the first time an engine needs them (about 30 s).  Where that fails (no compiler, another
+They are compiled once per machine, with its compiler and for its instruction set (``-march=native``, capped where
+PyTorch's own kernels are: ``ATEN_CPU_CAPABILITY=avx2`` compiles them without AVX-512), into the dlite cache, the
+first time an engine needs them (about 30 s).  Where that fails (no compiler, another
 architecture) the engine runs eager ATen ops, as on a GPU, and says once why.
 """
 
@@ -29,6 +30,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 GROUP = 32  # weights along a row that share a scale (and a minimum): GGUF's Q4_1 and Q8_0
 MAX_HEAD_DIM = 128  # attention takes head dims of a multiple of 16 up to this (as cpu_kernels.cpp says)
 LEVEL_TOLERANCE = 0.25  # a weight lies on a level if within this share of a step of it (and its dtype's rounding)
+# PyTorch's capability on x86 (ATEN_CPU_CAPABILITY caps it) → what the kernels leave out of the machine's instructions
+ISA_CAPS = {"AVX2": ["-mno-avx512f"], "DEFAULT": ["-mno-avx", "-mno-fma"]}
 _built: dict = {}  # "module" → the extension, or "error" → why it could not be built
 
 
@@ -48,14 +51,15 @@ def _build(log):
     """Compile cpu_kernels.cpp for this machine into <cache>/cpu-kernels/<key>, or load what an earlier build left there."""
     from torch.utils import cpp_extension
 
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    caps = ISA_CAPS.get(torch.backends.cpu.get_cpu_capability(), []) if platform.machine() == "x86_64" else []
+    flags = ["-O3", "-march=native", *caps, "-ffp-contract=fast", "-fopenmp"]
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     directory = cache_dir() / "cpu-kernels" / key
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
         log("building dlite's CPU kernels for this machine (once, about 30 s)")
-    return cpp_extension.load(f"dlite_cpu_kernels_{key}", [str(SOURCE)], build_directory=str(directory),
-                              extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    return cpp_extension.load(f"dlite_cpu_kernels_{key}", [str(SOURCE)], build_directory=str(directory), extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"])
 
 
 def _cpu_flags() -> str:

@@ -88,11 +88,11 @@ class Proposer:
         return 0
 
 
-def widen(candidates: list[Candidate], width: int) -> None:
-    """Each candidate proposes as many of its tokens as fit ``width``, the round's widest proposal: a batched pass
-    costs its widest row, so the other rows' further tokens are verified for nothing."""
+def cut(candidates: list[Candidate], length: int) -> None:
+    """Each candidate proposes as many of its tokens as fit ``length``, the round's one length: a batched pass
+    costs its widest row, so every row proposes up to it."""
     for candidate in candidates:
-        candidate.proposed = max(candidate.proposed, min(len(candidate.tokens), width))
+        candidate.proposed = min(len(candidate.tokens), length)
 
 
 def for_rows(pick, indices: list[int]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..adaptive import Calibration, Candidate
-from .base import Draft, Proposer, widen
+from .base import Draft, Proposer, cut
 
 
 class LookupDrafter(Proposer):
@@ -19,19 +19,22 @@ class LookupDrafter(Proposer):
 
     def propose(self, rows, pick) -> Draft:
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
-        candidates = [self.candidate(row, len(rows)) for row in rows]
-        widen(candidates, max(c.proposed for c in candidates))
+        candidates = [self.candidate(row) for row in rows]
+        if self.costs is not None:  # one length for the batch, weighed for all its rows at what their pass costs
+            cut(candidates, self.costs.at(len(rows)).best_length([self.accepts(c) for c in candidates], 0.0))
         for b, (row, candidate) in enumerate(zip(rows, candidates)):
             self.proposed[row.slot] = candidate
             tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
         return Draft(tokens, [c.proposed for c in candidates], None)
 
-    def candidate(self, row, batch: int = 1) -> Candidate:
-        """The continuation for ``row``, of which the part worth proposing in a round over ``batch`` rows is proposed."""
+    def candidate(self, row) -> Candidate:
+        """The continuation for ``row``, all of it proposed (a round over several rows cuts it to the length they share)."""
         continuation, keys = self.continuation(row)
-        accept = [self.calibration.estimate(k) for k in keys]
-        proposed = len(keys) if self.costs is None else self.costs.at(batch).best_length([accept], 0.0)
-        return Candidate(continuation, keys, proposed)
+        return Candidate(continuation, keys, len(keys))
+
+    def accepts(self, candidate: Candidate) -> list[float]:
+        """Each of the candidate's tokens' chance of acceptance, given the ones before it were accepted."""
+        return [self.calibration.estimate(k) for k in candidate.keys]
 
     def continuation(self, row) -> tuple[list[int], list]:
         """Up to K token ids that may follow ``row``'s tokens, and the calibration key of each."""

@@ -6,7 +6,7 @@ import torch
 
 from ...models.model import greedy_pick
 from ..adaptive import Candidate, VerifyCosts
-from .base import Draft, Proposer, for_rows, merged, one_hot_logits, widen
+from .base import Draft, Proposer, cut, for_rows, merged, one_hot_logits
 from .copying import LookupDrafter
 from .model import ModelDrafter
 
@@ -31,21 +31,26 @@ class HybridDrafter(Proposer):
     def propose(self, rows, pick) -> Draft:
         B, K = len(rows), self.draft_tokens
         tokens = torch.zeros(B, K, dtype=torch.long, device=self.model._device)
-        lengths, lookups, by_model = [0] * B, {}, []  # lookups: row → its lookup candidate; by_model: rows the model drafts
+        lookups = {}  # row → its lookup candidate, where the lookup drafts it
         for b, row in enumerate(rows):
-            candidate = self.lookup.candidate(row, B)
-            if candidate.proposed and self._lookup_first(candidate, row.slot, B):
+            candidate = self.lookup.candidate(row)
+            if candidate.tokens and self._lookup_first(candidate, row.slot, B):
                 lookups[b] = self.lookup.proposed[row.slot] = candidate
-                tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
-                lengths[b] = candidate.proposed
-            else:
-                by_model.append(b)
-        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model), batch=B) if by_model else None
+        by_model = [b for b in range(B) if b not in lookups]
+        accepts = [self.lookup.accepts(c) for c in lookups.values()]
+        draft = self.model.propose([rows[b] for b in by_model], for_rows(pick, by_model), batch=B, others=accepts) if by_model else None
+        lengths = [0] * B
         for i, b in enumerate(by_model):
             lengths[b] = draft.lengths[i]
-        candidates = {**lookups, **{b: self.model.proposed[rows[b].slot] for b in by_model if rows[b].slot in self.model.proposed}}
-        widen(list(candidates.values()), max(lengths))
-        for b, candidate in candidates.items():
+        if self.costs is None:
+            length = K
+        elif any(lengths):  # the model's rows and the lookup's share the length the model weighed for all of them
+            length = max(lengths)
+        else:
+            length = self.costs.at(B).best_length(accepts, 0.0)
+        cut(list(lookups.values()), length)
+        for b, candidate in lookups.items():
+            tokens[b, : len(candidate.tokens)] = torch.tensor(candidate.tokens)
             lengths[b] = candidate.proposed
         if draft is None:
             return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))

@@ -35,12 +35,14 @@ class ModelDrafter(Proposer):
         """ms of one draft round at batch 1 here (warm, median)."""
         raise NotImplementedError
 
-    def propose(self, rows, pick, batch: int | None = None) -> Draft:
+    def propose(self, rows, pick, batch: int | None = None, others: tuple[list[float], ...] = ()) -> Draft:
         """Up to K proposals for each of ``rows``, the round's (or, given ``batch``, some of its ``batch`` rows: the
-        hybrid's); adaptive, the drafted rows share one length, since the pass costs its widest row."""
+        hybrid's, whose other rows propose tokens with the chances of acceptance ``others``); adaptive, the rows worth
+        drafting together are drafted, and they and the others share one length, weighed for all of them, since the
+        pass costs its widest row."""
         B, K = len(rows), self.draft_tokens
         costs = None if self.costs is None else self.costs.at(batch or B)
-        drafted = [b for b, row in enumerate(rows) if costs is None or costs.worth_drafting(self.gain.expected(row.slot), self.draft_ms)]
+        drafted = list(range(B)) if costs is None else costs.rows_to_draft([self.gain.expected(row.slot) for row in rows], self.draft_ms)
         for b in set(range(B)) - set(drafted):
             self.gain.skipped(rows[b].slot)
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
@@ -53,7 +55,7 @@ class ModelDrafter(Proposer):
         else:  # one read of the drafts and their probabilities
             read = torch.cat([draft.tokens.float(), draft.confidence.float()], dim=1).tolist()
             keys = [[min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for c in row_read[K:]] for row_read in read]
-            proposed = costs.best_length([[self.calibration.estimate(k) for k in row_keys] for row_keys in keys], self.draft_ms)
+            proposed = costs.best_length([[self.calibration.estimate(k) for k in row_keys] for row_keys in keys] + list(others), self.draft_ms)
             for i, b in enumerate(drafted):
                 self.proposed[rows[b].slot] = Candidate([int(t) for t in read[i][:K]], keys[i], proposed)
                 lengths[b] = proposed
