@@ -10,7 +10,7 @@ import torch
 from conftest import on_levels
 
 from dlite_cli.models.cpu_kernels import kernels, quantized
-from dlite_cli.models.layer_ops import EagerOps, KernelOps, PassPositions
+from dlite_cli.models.layer_ops import AttentionParams, EagerOps, KernelOps, Norm, PassPositions
 from dlite_cli.models.linears import QUANTIZED_ROWS, Projection, packs
 
 
@@ -69,7 +69,7 @@ def test_a_projection_reads_its_quantized_copy_in_narrow_passes_and_its_packed_o
 
 def attention_inputs(dtype, qwen3: bool, seed: int = 0):
     """A fused q/k/v output for 2 rows of 5 tokens at rows' own positions (one crossing a chunk of keys), random
-    caches in 4 slots, the rotary tables and, for Qwen3, per-head norms."""
+    caches in 4 slots, the rotary tables, and the attention's parameters (for Qwen3, per-head norms)."""
     generator = torch.Generator().manual_seed(seed)
     heads, kv_heads, d, B, Q = 6, 2, 32, 2, 5
     keys = torch.randn(4, kv_heads, 600, d, generator=generator).to(dtype)
@@ -79,25 +79,18 @@ def attention_inputs(dtype, qwen3: bool, seed: int = 0):
     positions = starts[:, None] + torch.arange(Q)
     angles = positions[..., None] / 10000 ** (torch.arange(0, d, 2) / d)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    module = torch.nn.Module()
-    module.scaling = d**-0.5
-    if qwen3:
-        module.q_norm, module.k_norm = torch.nn.RMSNorm(d, eps=1e-6), torch.nn.RMSNorm(d, eps=1e-6)
-        module.q_norm.variance_epsilon = module.k_norm.variance_epsilon = 1e-6
-        with torch.no_grad():
-            module.q_norm.weight.copy_(torch.rand(d, generator=generator) + 0.5)
-            module.k_norm.weight.copy_(torch.rand(d, generator=generator) + 0.5)
-        module.to(dtype)
-    return (heads, kv_heads, d), module, qkv, keys, values, slots, positions, (cos.to(dtype), sin.to(dtype))
+    norms = [Norm((torch.rand(d, generator=generator) + 0.5).to(dtype), 1e-6) for _ in range(2)] if qwen3 else [None, None]
+    params = AttentionParams(*norms, scaling=d**-0.5)
+    return (heads, kv_heads, d), params, qkv, keys, values, slots, positions, (cos.to(dtype), sin.to(dtype))
 
 
-def eager_attention(heads, kv_heads, d, module, qkv, keys, values, slots, positions, rotary):
+def eager_attention(heads, kv_heads, d, params, qkv, keys, values, slots, positions, rotary):
     """EagerOps' attention for these rows: keys up to the longest row under a causal mask of each row's own."""
     ops = EagerOps(heads, kv_heads, d)
     span = int(positions.max()) + 1
     mask = (torch.arange(span) <= positions[..., None])[:, None]
     at = PassPositions(slots, slots, positions, span, mask, None, *rotary)
-    return ops.attention(module, qkv, keys, values, at)
+    return ops.attention(params, qkv, keys, values, at)
 
 
 @pytest.mark.parametrize("qwen3", [False, True])
@@ -132,8 +125,7 @@ def test_a_query_attends_the_same_in_any_pass(module, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_norm_and_gate_kernels_compute_the_eager_ops(module, dtype):
     eager, ops = EagerOps(4, 2, 16), KernelOps(4, 2, 16, module)
-    norm = torch.nn.RMSNorm(96, eps=1e-5).to(dtype)
-    norm.variance_epsilon = 1e-5
+    norm = Norm.of(torch.nn.RMSNorm(96, eps=1e-5).to(dtype))
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     h, delta, gate_up = (torch.randn(3, 7, n).to(dtype) for n in (96, 96, 2 * 200))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import GROUP
-from .layer_ops import KernelOps, PassPositions, layer_ops
+from .layer_ops import AttentionParams, KernelOps, Norm, PassPositions, layer_ops
 from .linears import Projection, packs
 from .model import Drafter, greedy_pick, rope
 
@@ -34,10 +34,13 @@ class DraftRound:
         weight = drafter.norm.weight
         pack = packs(weight.device, weight.dtype)
         self.ops = layer_ops(spec.num_heads, spec.num_kv_heads, spec.head_dim, weight)
-        self.layers = [(layer, Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
+        self.layers = [(Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
                         Projection([layer.self_attn.o_proj], pack), Projection([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
                         Projection([layer.mlp.down_proj], pack)) for layer in drafter.layers]
-        self.next_norms = [layer.input_layernorm for layer in drafter.layers[1:]] + [drafter.norm]
+        next_norms = [layer.input_layernorm for layer in drafter.layers][1:] + [drafter.norm]
+        self.first_norm, self.context_norm = Norm.of(drafter.layers[0].input_layernorm), Norm.of(drafter.context_norm)
+        self.layer_params = [(AttentionParams.of(layer.self_attn), Norm.of(layer.post_attention_layernorm), Norm.of(after))
+                             for layer, after in zip(drafter.layers, next_norms)]
         self.slots = 1 if spec.composition == "feature" else len(spec.target_layer_ids)
         positions = torch.cat([torch.full((self.slots,), spec.context_position), torch.arange(spec.anchor_group + spec.draft_tokens)])
         cos, sin = rope(positions.to(weight.device)[None], spec.head_dim, spec.rope_theta)  # (1, slots + G + K, d)
@@ -62,16 +65,16 @@ class DraftRound:
         else:
             placeholders = drafter.placeholders.expand(B, -1, -1)
         h = torch.cat([embedded, placeholders], dim=1)  # (B, G + K, H)
-        x = ops.norm(h, drafter.layers[0].input_layernorm)
+        x = ops.norm(h, self.first_norm)
         # the block attends both ways over [slots; block], whose keys/values go to a cache of the round's own
         at = PassPositions(slice(0, B), torch.arange(B, device=tokens.device), torch.arange(C + G + K, device=tokens.device).expand(B, -1),
                            C + G + K, None, 0, self.cos.expand(B, -1, -1), self.sin.expand(B, -1, -1), causal=False)
         cache = (B, spec.num_kv_heads, C + G + K, spec.head_dim)
-        for (layer, qkv, o, gate_up, down), next_norm in zip(self.layers, self.next_norms):
+        for (qkv, o, gate_up, down), (attention, post_attention, after) in zip(self.layers, self.layer_params):
             keys, values = slots.new_empty(cache), slots.new_empty(cache)
-            attended = ops.attention(layer.self_attn, qkv.fused(torch.cat([slots, x], dim=1)), keys, values, at)[:, C:]
-            h, x = ops.add_norm(h, o.fused(attended), layer.post_attention_layernorm)
-            h, x = ops.add_norm(h, down.fused(ops.gate(gate_up.fused(x), F.silu)), next_norm)
+            attended = ops.attention(attention, qkv.fused(torch.cat([slots, x], dim=1)), keys, values, at)[:, C:]
+            h, x = ops.add_norm(h, o.fused(attended), post_attention)
+            h, x = ops.add_norm(h, down.fused(ops.gate(gate_up.fused(x), F.silu)), after)
         return self._head(x[:, G:], tokens, pick)
 
     def _context_slots(self, context: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ class DraftRound:
         drafter = self.drafter
         if drafter.spec.composition == "feature":
             return drafter.context_slots(context)
-        return self.ops.norm(context.to(drafter.norm.weight.dtype) + drafter.depth_embedding.weight, drafter.context_norm)
+        return self.ops.norm(context.to(drafter.norm.weight.dtype) + drafter.depth_embedding.weight, self.context_norm)
 
     def _head(self, h: torch.Tensor, tokens: torch.Tensor, pick):
         """h (B, K, H) → the head's left-to-right proposals (see :meth:`Head.free_running`)."""

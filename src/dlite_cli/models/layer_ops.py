@@ -2,12 +2,12 @@
 DLite drafter's round (draft_round.py).  dlite's CPU kernels where they are built (:class:`KernelOps`, cpu_kernels.py),
 eager ATen ops elsewhere (:class:`EagerOps`).
 
-    norm(x, module)                 RMSNorm with a norm module's weight (Hugging Face's or torch's)
-    add_norm(h, delta, module)      (h + delta, RMSNorm(h + delta)): a residual connection and the next norm
-    gate(gate_up)                   silu(gate) · up, from the fused gate/up projection's output
-    attention(module, qkv, keys, values, at)
-                                    a layer's attention from its fused q/k/v projection's output (B, Q, ·): q/k norms
-                                    (Qwen3), the rotary embedding, the new keys/values written into the cache rows
+    norm(x, norm)                   RMSNorm (a :class:`Norm`, read once from a Hugging Face or torch module)
+    add_norm(h, delta, norm)        (h + delta, RMSNorm(h + delta)): a residual connection and the next norm
+    gate(gate_up, act)              act(gate) · up, from the fused gate/up projection's output
+    attention(params, qkv, keys, values, at)
+                                    a layer's attention (:class:`AttentionParams`) from its fused q/k/v projection's
+                                    output (B, Q, ·): q/k norms (Qwen3), the rotary embedding, the new keys/values written into the cache rows
                                     ``at`` names (:class:`PassPositions`), attention over each row's held tokens and
                                     its own (or, not causal, over all of them) → (B, Q, heads·d)
 """
@@ -24,6 +24,37 @@ from .cpu_kernels import MAX_HEAD_DIM, kernels
 from .model import grouped_attention
 
 KERNEL_TOKENS = 16  # the most tokens a row of a pass has for the attention kernel to run it (a prefill's chunks run SDPA's)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm's weight and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module) -> Norm:
+        """Read from a norm module: Hugging Face's (``variance_epsilon``) or torch's (``eps``, None: its dtype's)."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        return cls(module.weight, eps if eps is not None else torch.finfo(module.weight.dtype).eps)
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What a layer's attention takes besides its projections: Qwen3's per-head q/k norms (None for Llama) and the
+    scale of its scores."""
+
+    q_norm: Norm | None
+    k_norm: Norm | None
+    scaling: float
+
+    @classmethod
+    def of(cls, module) -> AttentionParams:
+        """Read from an attention module (a Hugging Face target's, or a drafter's)."""
+        if hasattr(module, "q_norm"):
+            return cls(Norm.of(module.q_norm), Norm.of(module.k_norm), module.scaling)
+        return cls(None, None, module.scaling)
 
 
 @dataclass
@@ -51,24 +82,24 @@ class EagerOps:
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
-    def norm(self, x: torch.Tensor, module) -> torch.Tensor:
-        return F.rms_norm(x, module.weight.shape, module.weight, epsilon(module))
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
         h = h + delta
-        return h, self.norm(h, module)
+        return h, self.norm(h, norm)
 
     def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return act(gate) * up
 
-    def attention(self, module, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
+    def attention(self, params: AttentionParams, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
         B, Q, _ = qkv.shape
         heads, kv_heads = self.heads, self.kv_heads
         qkv = qkv.view(B, Q, -1, self.head_dim)  # (B, Q, heads + 2 kv_heads, d)
         qk, v = qkv[:, :, : heads + kv_heads], qkv[:, :, heads + kv_heads :]
-        if hasattr(module, "q_norm"):  # qwen3
-            qk = torch.cat([self.norm(qk[:, :, :heads], module.q_norm), self.norm(qk[:, :, heads:], module.k_norm)], dim=2)
+        if params.q_norm is not None:  # qwen3
+            qk = torch.cat([self.norm(qk[:, :, :heads], params.q_norm), self.norm(qk[:, :, heads:], params.k_norm)], dim=2)
         qk = at.rotation(qk)
         q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:]
         if at.start is not None:  # (B, kv_heads, Q, d) into each row's run of positions
@@ -77,7 +108,7 @@ class EagerOps:
         else:  # (B, Q, kv_heads, d) at each row's positions
             where = (at.slots[:, None], slice(None), at.positions)
             keys[where], values[where] = k, v
-        out = grouped_attention(q, keys[at.rows, :, : at.span], values[at.rows, :, : at.span], at.mask, module.scaling)
+        out = grouped_attention(q, keys[at.rows, :, : at.span], values[at.rows, :, : at.span], at.mask, params.scaling)
         return out.transpose(1, 2).reshape(B, Q, -1)
 
 
@@ -90,22 +121,22 @@ class KernelOps(EagerOps):
         self.kernels = module
         self.none = torch.empty(0)
 
-    def norm(self, x: torch.Tensor, module) -> torch.Tensor:
-        return self.kernels.rms_norm(x, module.weight, epsilon(module))
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        return self.kernels.rms_norm(x, norm.weight, norm.eps)
 
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.add_rms_norm(h, delta, module.weight, epsilon(module))
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(h, delta, norm.weight, norm.eps)
 
     def gate(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         return self.kernels.silu_mul(gate_up)
 
-    def attention(self, module, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
+    def attention(self, params: AttentionParams, qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, at: PassPositions) -> torch.Tensor:
         if qkv.shape[1] > KERNEL_TOKENS:
-            return super().attention(module, qkv, keys, values, at)
-        q_norm, k_norm = (module.q_norm, module.k_norm) if hasattr(module, "q_norm") else (None, None)
+            return super().attention(params, qkv, keys, values, at)
+        q_norm, k_norm = params.q_norm, params.k_norm
         return self.kernels.attention(qkv, at.cos, at.sin, keys, values, at.slots, at.positions[:, 0], self.heads,
                                       self.none if q_norm is None else q_norm.weight, self.none if k_norm is None else k_norm.weight,
-                                      epsilon(q_norm) if q_norm is not None else 0.0, module.scaling, at.causal)
+                                      0.0 if q_norm is None else q_norm.eps, params.scaling, at.causal)
 
 
 def layer_ops(heads: int, kv_heads: int, head_dim: int, weight: torch.Tensor, silu: bool = True) -> EagerOps:
@@ -123,12 +154,6 @@ def target_ops(model) -> EagerOps:
     config = model.config
     return layer_ops(config.num_attention_heads, config.num_key_value_heads, model.model.layers[0].self_attn.head_dim,
                      next(model.parameters()), getattr(config, "hidden_act", "silu") == "silu")
-
-
-def epsilon(norm) -> float:
-    """An RMSNorm module's epsilon: Hugging Face's ``variance_epsilon``, torch's ``eps`` (None: its dtype's)."""
-    value = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    return value if value is not None else torch.finfo(norm.weight.dtype).eps
 
 
 class Rotation:

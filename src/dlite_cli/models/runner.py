@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..core.devices import median_ms
 from ..core.errors import DliteError
 from .graphs import CudaGraphs, bucket_for
-from .layer_ops import PassPositions, target_ops
+from .layer_ops import AttentionParams, Norm, PassPositions, target_ops
 from .linears import target_linears
 from .model import SUPPORTED_FAMILIES
 
@@ -84,6 +84,12 @@ class TargetRunner:
         self.capacity, self.prefill_chunk = capacity, prefill_chunk
         self.layers = model.model.layers
         self.linears, self.ops = target_linears(model), target_ops(model)
+        # per layer, read once: its attention's parameters, the norm after its attention, and the norm after it (the next
+        # layer's first, the model's final one after the last)
+        next_norms = [layer.input_layernorm for layer in self.layers][1:] + [model.model.norm]
+        self.first_norm = Norm.of(self.layers[0].input_layernorm)
+        self.layer_params = [(AttentionParams.of(layer.self_attn), Norm.of(layer.post_attention_layernorm), Norm.of(after))
+                             for layer, after in zip(self.layers, next_norms)]
         shape = (slots, self.ops.kv_heads, min(capacity, INITIAL_ALLOCATION), self.ops.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -233,13 +239,12 @@ class TargetRunner:
         inner, ops = self.model.model, self.ops
         h = inner.embed_tokens(tokens)
         at = PassPositions(rows, self._row_index(rows), positions, span, mask, start, *inner.rotary_emb(h, positions))
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [inner.norm]
-        x = ops.norm(h, self.layers[0].input_layernorm)
+        x = ops.norm(h, self.first_norm)
         captured = []
-        for index, (layer, linears, next_norm) in enumerate(zip(self.layers, self.linears.layers, next_norms)):
-            attended = ops.attention(layer.self_attn, linears.qkv.fused(x), self.keys[index], self.values[index], at)
-            h, x = ops.add_norm(h, linears.o.fused(attended), layer.post_attention_layernorm)
-            h, x = ops.add_norm(h, linears.down.fused(ops.gate(linears.gate_up.fused(x), linears.act)), next_norm)
+        for index, ((attention, post_attention, after), linears) in enumerate(zip(self.layer_params, self.linears.layers)):
+            attended = ops.attention(attention, linears.qkv.fused(x), self.keys[index], self.values[index], at)
+            h, x = ops.add_norm(h, linears.o.fused(attended), post_attention)
+            h, x = ops.add_norm(h, linears.down.fused(ops.gate(linears.gate_up.fused(x), linears.act)), after)
             if index in self.capture_layers:
                 captured.append(h[:, -1:] if features_at_last else h)
         if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
