@@ -176,3 +176,7 @@ def test_the_hybrid_takes_the_lookup_where_it_commits_more_per_ms_than_the_model
     assert not hybrid._lookup_first(lookup, 0)
     hybrid.costs = VerifyCosts([40.0 + 20 * i for i in range(8)])  # each token half a step: 2.2 / 190 < 1.6 / 60
     assert hybrid._lookup_first(lookup, 0)
+    # a continuation of 7 is weighed at the length that pays for it (1 token: 1.6 / 60), not at all 7 (2.45 / 180),
+    # against a model whose rounds committed 0.8 of 2 proposals (1.8 / 90)
+    model.gain.gains[0] = (0.8, 2.0)
+    assert hybrid._lookup_first(Candidate(list(range(7)), [(3, i) for i in range(7)], proposed=7), 0)

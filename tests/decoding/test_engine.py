@@ -595,7 +595,8 @@ def test_a_graph_captured_inside_a_round_is_taken_out_of_its_time(micro, prompts
 @pytest.mark.parametrize("name", ["ngram", "dlite", "oracle", "dlite+suffix"])
 def test_in_bfloat16_every_method_writes_plain_decodings_text_on_the_cpu_kernels(name, micro_bfloat16, drafter_dirs, prompts, reference):
     """dlite's CPU kernels compute a position alike in a step and in any verify, so below float32 too, passes as wide
-    as their tokens give every method plain decoding's greedy text, alone and two rows at a time."""
+    as their tokens give every method plain decoding's greedy text from the same prefill (fresh slots), alone and two
+    rows at a time."""
     if not isinstance(TargetRunner(micro_bfloat16[0], [], 1, 64).ops, KernelOps):
         pytest.skip("dlite's CPU kernels do not run here")
     requests = lambda: [Request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]  # noqa: E731

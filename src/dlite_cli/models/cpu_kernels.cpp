@@ -3,7 +3,7 @@
 //
 // Every kernel computes in float32, whatever its inputs' dtype (float32 or bfloat16), and computes a row of a pass
 // by the same arithmetic however many rows the pass has: a position gets the same result in a step, in any verify
-// and in any batch, so every method writes plain decoding's text.
+// and in any batch, so from the same prefilled prompt every method writes plain decoding's text.
 //
 // Weights are group-quantised, as a GGUF file holds them (groups of 32 along a row, the scales in float16):
 //   q4   w = code * scale + min, code in 0..15: codes (N, K/2) uint8, byte j of group g holding code 32g+j in its

@@ -40,10 +40,10 @@ class LookupDrafter(Proposer):
         """Up to K token ids that may follow ``row``'s tokens, and the calibration key of each."""
         raise NotImplementedError
 
-    def expected_gain(self, candidate: Candidate) -> float:
-        """Expected accepted tokens of the candidate's proposal."""
+    def expected_gain(self, candidate: Candidate, length: int) -> float:
+        """Expected accepted tokens of the candidate's first ``length`` tokens, proposed."""
         expected, reach = 0.0, 1.0
-        for key in candidate.keys[: candidate.proposed]:
+        for key in candidate.keys[:length]:
             reach *= self.calibration.estimate(key)
             expected += reach
         return expected

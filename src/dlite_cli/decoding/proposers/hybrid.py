@@ -34,7 +34,7 @@ class HybridDrafter(Proposer):
         lookups = {}  # row → its lookup candidate, where the lookup drafts it
         for b, row in enumerate(rows):
             candidate = self.lookup.candidate(row)
-            if candidate.tokens and self._lookup_first(candidate, row.slot, B):
+            if candidate.tokens and self._lookup_first(candidate, row.slot):
                 lookups[b] = self.lookup.proposed[row.slot] = candidate
         by_model = [b for b in range(B) if b not in lookups]
         accepts = [self.lookup.accepts(c) for c in lookups.values()]
@@ -56,14 +56,16 @@ class HybridDrafter(Proposer):
             return Draft(tokens, lengths, None if pick is greedy_pick else one_hot_logits(tokens, self.vocab_size))
         return merged(tokens, lengths, by_model, draft)
 
-    def _lookup_first(self, candidate: Candidate, slot: int, batch: int = 1) -> bool:
-        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row,
-        in a round over ``batch`` rows."""
-        expected, (accepted, proposed) = self.lookup.expected_gain(candidate), self.model.gain.expected(slot)
+    def _lookup_first(self, candidate: Candidate, slot: int) -> bool:
+        """Whether the lookup's ``candidate`` is expected to commit at least what the model's rounds did for the row.
+        Adaptive, each at the length that pays best for it (the candidate's as if the row were drafted alone: which of
+        the two suits the row does not depend on the rest of the batch, which then decides the length they share)."""
+        accepted, proposed = self.model.gain.expected(slot)
         if self.costs is None:
-            return expected >= accepted
-        costs = self.costs.at(batch)
-        return costs.rate(expected, candidate.proposed, 0.0) >= costs.rate(accepted, proposed, self.model.draft_ms)
+            return self.lookup.expected_gain(candidate, len(candidate.tokens)) >= accepted
+        length = self.costs.best_length([self.lookup.accepts(candidate)], 0.0)
+        expected = self.lookup.expected_gain(candidate, length)
+        return length > 0 and self.costs.rate(expected, length, 0.0) >= self.costs.rate(accepted, proposed, self.model.draft_ms)
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
         self.lookup.observe(row, accepted, next_token)  # whichever of the two proposed for the row this round
