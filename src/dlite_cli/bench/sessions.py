@@ -50,6 +50,8 @@ from .report import Table, speedup_interval
 
 EPISODES_READ = 64  # episodes read per workload to find those with enough turns
 START_TIMEOUT_S = 600  # a server that answers no /health by then has failed (vLLM compiles at start-up)
+RETRIES = 2  # a turn whose connection failed is sent again this many times before it counts as failed
+CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError, httpx.WriteError)
 
 
 @dataclass
@@ -95,9 +97,21 @@ def sessions_key(sessions: list[Session]) -> str:
 
 
 def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed greedy chat completion → its text, time to first token, chunk gaps, latency (s) and usage."""
+    """One streamed greedy chat completion → its text, time to first token, chunk gaps, latency (s) and usage.  Sent
+    again, up to RETRIES times, where the connection failed (a server may close a kept-alive connection between
+    requests without saying so; the openai SDK retries the same way)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    for attempt in itertools.count():
+        try:
+            return streamed(client, url, body)
+        except CONNECTION_ERRORS:
+            if attempt == RETRIES:
+                raise
+
+
+def streamed(client: httpx.Client, url: str, body: dict) -> dict:
+    """One try of :func:`stream_turn`."""
     start, stamps, text, usage = time.perf_counter(), [], "", {}
     with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -118,17 +132,33 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 
 def play(client: httpx.Client, url: str, model: str, session: Session, max_tokens: int, done) -> list[dict]:
-    """A session's turns, one after the other, each reply appended to the conversation → a record per turn."""
+    """A session's turns, one after the other, each reply appended to the conversation → a record per turn.  A turn
+    that fails is recorded with its reason (``error``), and the session ends there: its conversation cannot go on."""
     messages, records = [], []
     for index, turn in enumerate(session.turns):
         messages += turn
-        record = stream_turn(client, url, model, messages, max_tokens)
+        where = {"session": session.id, "workload": session.workload, "turn": index}
+        try:
+            record = stream_turn(client, url, model, messages, max_tokens)
+        except (httpx.HTTPError, DliteError, ValueError) as e:
+            records.append({**where, "error": f"{type(e).__name__}: {e}"})
+            done(len(session.turns) - index)
+            break
         messages.append({"role": "assistant", "content": record["text"]})
         text = record.pop("text")
-        records.append({"session": session.id, "workload": session.workload, "turn": index, **record,
-                        "text_sha": hashlib.sha1(text.encode()).hexdigest()[:12], "text": text})
-        done()
+        records.append({**where, **record, "text_sha": hashlib.sha1(text.encode()).hexdigest()[:12], "text": text})
+        done(1)
     return records
+
+
+def failed_turns(record: dict) -> list[dict]:
+    """A run's turns that failed (each with its ``error``)."""
+    return [t for t in record["turns"] if "error" in t]
+
+
+def answered_turns(record: dict) -> list[dict]:
+    """A run's turns that the server answered: all its measurements are of these."""
+    return [t for t in record["turns"] if "error" not in t]
 
 
 def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: int, label: str) -> dict:
@@ -136,14 +166,14 @@ def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: i
     with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
         try:
             model = client.get(url + "/v1/models").json()["data"][0]["id"]
+            stream_turn(client, url, model, [{"role": "user", "content": "Hello."}], 4)  # the server's first request is its own warm-up
         except (httpx.HTTPError, ValueError, LookupError) as e:
             raise DliteError(f"{url} does not answer as an OpenAI-compatible server ({type(e).__name__}: {e})") from None
-        stream_turn(client, url, model, [{"role": "user", "content": "Hello."}], 4)  # the server's first request is its own warm-up
         total = sum(len(s.turns) for s in sessions)
         with progress_bar(f"{label}, {concurrency} at once", total) as bar:
             start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
-                played = list(pool.map(lambda s: play(client, url, model, s, max_tokens, lambda: bar.update(advance=1)), sessions))
+                played = list(pool.map(lambda s: play(client, url, model, s, max_tokens, lambda n: bar.update(advance=n)), sessions))
             wall = time.perf_counter() - start
     return {"wall_s": wall, "model": model, "turns": [t for turns in played for t in turns]}
 
@@ -215,7 +245,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
     recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
     stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)
     runs_path = stage.dir / "runs.jsonl"
-    stored = {} if force else {r["key"]: r for r in read_lines(runs_path)}
+    stored = {} if force else {r["key"]: r for r in read_lines(runs_path) if not failed_turns(r)}  # a run with failed turns is run again
     where = hardware(resolve_device(config.target.device))  # where dlite's servers run
     setting = {"target": prepared.fingerprint, "hardware": where, "sessions": sessions_key(sessions), "max_tokens": plan.max_tokens,
                "server": plan.url or {"decode": dataclasses.asdict(config.decode), "suffix": dataclasses.asdict(config.suffix),
@@ -228,6 +258,9 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
                 server, measured = measure(method, level, sessions, plan, target, run_dir, overrides, stage.dir)
                 stored[key] = {"key": key, "method": method, "concurrency": level, "server": server, "hardware": where, **measured}
                 append_line(runs_path, stored[key])
+                if failed := failed_turns(stored[key]):
+                    log(f"{method}, {level} at once: {len(failed)} of {len(sessions)} sessions ended at a turn the server did not "
+                        f"answer ({failed[0]['error'][:200]}); the table counts the turns it answered, and the run is measured again next time")
             records.append(stored[key])
             stage.update(progress={"done": len(records), "total": len(plan.methods) * len(plan.concurrency), "unit": "runs"})
     table = sessions_table(records, where, plan)
@@ -256,7 +289,7 @@ def measure(method: str, level: int, sessions: list[Session], plan: SessionsPlan
 def by_session(record: dict) -> dict[str, list[float]]:
     """session → [seconds its turns took, completion tokens]: the bench's speedup interval resamples these."""
     out: dict[str, list[float]] = {}
-    for turn in record["turns"]:
+    for turn in answered_turns(record):
         cell = out.setdefault(turn["session"], [0.0, 0])
         cell[0] += turn["latency_s"]
         cell[1] += turn["completion_tokens"] or 0
@@ -265,7 +298,7 @@ def by_session(record: dict) -> dict[str, list[float]]:
 
 def tokens_per_s(record: dict) -> float:
     """A run's completion tokens over its wall time."""
-    return sum(t["completion_tokens"] or 0 for t in record["turns"]) / record["wall_s"]
+    return sum(t["completion_tokens"] or 0 for t in answered_turns(record)) / record["wall_s"]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -275,25 +308,26 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(record: dict, plain: dict | None) -> dict:
     """One run's row: throughput, its speedup over its engine's plain decoding (paired by session), latencies, reuse."""
-    turns = record["turns"]
+    turns = answered_turns(record)
     gaps = [g for t in turns for g in t["gaps_s"]]
     before = {(t["session"], t["turn"] + 1): t for t in turns}
     later = [(t, before[t["session"], t["turn"]]) for t in turns if t["turn"] > 0 and t["cached_tokens"] is not None]
     reuse = [t["cached_tokens"] / t["prompt_tokens"] for t, _ in later]  # of the prompt
     kept = [min(1.0, t["cached_tokens"] / (b["prompt_tokens"] + b["completion_tokens"])) for t, b in later]  # of what the turn before sent and got
     first = [t["ttft_s"] for t in turns if t["turn"] == 0 and t["ttft_s"] is not None]
-    last = max(t["turn"] for t in turns)
+    last = max((t["turn"] for t in turns), default=0)
     final = [t["ttft_s"] for t in turns if t["turn"] == last and t["ttft_s"] is not None]
     row = {"tokens_per_s": tokens_per_s(record), "speedup": None, "interval": None, "same_text": None,
            "ttft_first_s": statistics.median(first) if first else None, "ttft_last_s": statistics.median(final) if final else None,
            "itl_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None, "itl_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
            "reuse_mean": statistics.mean(reuse) if reuse else None, "kept_mean": statistics.mean(kept) if kept else None,
            "kept_min": min(kept) if kept else None,
-           "prompt_tokens": statistics.mean(t["prompt_tokens"] for t in turns if t["prompt_tokens"]), "turns": len(turns)}
+           "prompt_tokens": statistics.mean([t["prompt_tokens"] for t in turns if t["prompt_tokens"]] or [0]), "turns": len(turns),
+           "failed": len(failed_turns(record))}
     if plain is not None and plain is not record:
         row["speedup"] = row["tokens_per_s"] / tokens_per_s(plain)
         row["interval"] = speedup_interval(by_session(plain), by_session(record))
-        texts = {(t["session"], t["turn"]): t["text_sha"] for t in plain["turns"]}
+        texts = {(t["session"], t["turn"]): t["text_sha"] for t in answered_turns(plain)}
         row["same_text"] = sum(texts.get((t["session"], t["turn"])) == t["text_sha"] for t in turns) / len(turns)
     return row
 
@@ -330,5 +364,9 @@ def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table
         "cache in the turns after the first, as a share of their prompt (the rest is new: a tool's result, the user's "
         "next message), and of the prompt and reply of the turn before (all a cache could hold; mean and least)."),
     ]
+    for record in records:
+        if failed := failed_turns(record):
+            table.notes.append(f"{record['method']}, {record['concurrency']} at once: {len(failed)} sessions ended at a turn the server did "
+                               f"not answer ({failed[0]['error'][:120]}); the row counts the {len(answered_turns(record))} turns it answered.")
     return table
 
