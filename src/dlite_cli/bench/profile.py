@@ -11,6 +11,8 @@ engine would use (``decode.path``).  Measured, median of ``repeats``:
                them + KV cache) and the bandwidth achieved, against the device's own copy bandwidth (the floor)
     drafts     the DLite draft round and the history teacher's, with the teacher's draft KV bytes
     overhead   the engine's host time per round, from a real decode at batch 1
+    empty      ms per token of plain decoding beside adaptive DLite's where it proposes (almost) nothing: what a
+               method's round costs when nothing is worth drafting
     predicted  τ·T_step / (T_draft + T_verify + T_overhead) at the τ values asked for
     training   a training step of each stage (one process), and the target's feature pass (online mode)
 """
@@ -33,6 +35,7 @@ from ..decoding.engine import Engine, Request, SamplingParams
 from ..decoding.proposers.dlite import DLiteAdapter
 from ..decoding.proposers.history import HistoryAdapter
 from ..decoding.proposers.model import draft_dtype
+from ..decoding.proposers.none import NoDrafter
 from ..models.linears import linear_bytes, target_linears
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from ..models.runner import TargetRunner, decode_path
@@ -162,6 +165,7 @@ class Profiler:
                     self._release()
                 bar.update(advance=1)
         result["overhead"] = self._overhead(dlite)
+        result["empty"] = self._empty_rounds(dlite)
         result["predicted"] = self._predicted(result)
         if self.vllm:
             from ..vllm_engine.profile import profile_vllm
@@ -219,6 +223,31 @@ class Profiler:
         stats = request.stats.as_dict()
         return {"context": context, "rounds": stats["rounds"], "draft_ms": stats["draft_ms_per_round"],
                 "verify_ms": stats["verify_ms_per_round"], "overhead_ms": stats["overhead_ms_per_round"]}
+
+    def _empty_rounds(self, dlite: DLiteAdapter) -> dict:
+        """ms per generated token at batch 1 of plain decoding and of adaptive DLite, whose random weights make it
+        propose (almost) nothing once it has seen a request (the first, a warm-up), and DLite's tokens proposed a round.
+        The two decode the same prompt in turn, ``repeats`` requests each: the median request."""
+        context = min(self.plan.contexts)
+        prompt = torch.randint(self.arch.vocab_size, (context,)).tolist()
+        adaptive = DLiteAdapter(dlite.drafter, dlite.embed, "dlite", graphs=dlite.graphs.enabled)
+        engines = {}
+        for name, drafter in (("plain", NoDrafter()), ("dlite", adaptive)):
+            runner = TargetRunner(self.model, drafter.target_layers, 1, context + 2 * OVERHEAD_TOKENS + self.k, path=self.path)
+            engines[name] = Engine(runner, drafter, set(), lambda ids: "", adaptive=True)
+            engines[name].run([Request(prompt, SamplingParams(max_new_tokens=OVERHEAD_TOKENS))])  # warm-up; DLite learns here
+        decodes = {name: [] for name in engines}
+        for _ in range(self.plan.repeats):
+            for name, engine in engines.items():
+                (request,) = engine.run([Request(prompt, SamplingParams(max_new_tokens=OVERHEAD_TOKENS))])
+                stats = request.stats
+                ms = 1000 * (stats.draft_seconds + stats.verify_seconds + stats.overhead_seconds) / stats.generated_tokens
+                decodes[name].append((ms, sum(stats.proposed) / stats.rounds))
+        result = {"context": context}
+        for name, runs in decodes.items():
+            ms, proposed = sorted(runs)[len(runs) // 2]
+            result[name] = {"ms_per_token": round(ms, 3), "proposed_per_round": round(proposed, 3)}
+        return result
 
     def _predicted(self, result: dict) -> list[dict]:
         """Batch 1: a round (draft + verify of K + 1 tokens + host time) in target steps, and the speedup at each τ."""
@@ -296,8 +325,16 @@ def render(result: dict) -> list:
     for r in result["predicted"]:
         predicted.add_row(str(r["context"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['overhead_ms']:.2f}",
                           f"{r['round_in_steps']:.2f}", *(f"{r['speedup'][t]:.2f}×" for t in taus))
+    empty = result["empty"]
+    empties = Table(title=f"decoding at batch 1 from {empty['context']} tokens, ms per token: plain decoding beside adaptive DLite "
+                          "where it proposes (almost) nothing (random weights), what a method's round costs when nothing pays")
+    for column in ("method", "ms / token", "proposed / round", "× plain"):
+        empties.add_column(column, justify="right")
+    for name in ("plain", "dlite"):
+        e = empty[name]
+        empties.add_row(name, f"{e['ms_per_token']:.2f}", f"{e['proposed_per_round']:.2f}", f"{e['ms_per_token'] / empty['plain']['ms_per_token']:.2f}×")
     tables = [memory_table([MemoryPlan(**p) for p in result["memory"]["plans"]], result["memory"]["free_bytes"], result["hardware"]),
-              passes, drafts, predicted]
+              passes, drafts, predicted, empties]
     if "vllm" in result:
         tables.append(vllm_table(result, by_cell))
     if result["training"]:
