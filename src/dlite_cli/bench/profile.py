@@ -11,8 +11,8 @@ engine would use (``decode.path``).  Measured, median of ``repeats``:
                them + KV cache) and the bandwidth achieved, against the device's own copy bandwidth (the floor)
     drafts     the DLite draft round and the history teacher's, with the teacher's draft KV bytes
     overhead   the engine's host time per round, from a real decode at batch 1
-    empty      ms per token of plain decoding beside adaptive DLite's where it proposes (almost) nothing: what a
-               method's round costs when nothing is worth drafting
+    empty      ms per token of plain decoding beside adaptive DLite's with random weights, which proposes only what it
+               expects to pay for: where a wider pass costs more, nearly nothing, and then what a method's empty round costs
     predicted  τ·T_step / (T_draft + T_verify + T_overhead) at the τ values asked for
     training   a training step of each stage (one process), and the target's feature pass (online mode)
 """
@@ -225,8 +225,9 @@ class Profiler:
                 "verify_ms": stats["verify_ms_per_round"], "overhead_ms": stats["overhead_ms_per_round"]}
 
     def _empty_rounds(self, dlite: DLiteAdapter) -> dict:
-        """ms per generated token at batch 1 of plain decoding and of adaptive DLite, whose random weights make it
-        propose (almost) nothing once it has seen a request (the first, a warm-up), and DLite's tokens proposed a round.
+        """ms per generated token at batch 1 of plain decoding and of adaptive DLite, whose random weights are accepted
+        so rarely that, once it has seen a request (the first, a warm-up), it proposes only where a wider pass costs
+        (nearly) nothing more, and DLite's tokens proposed a round.
         The two decode the same prompt in turn, ``repeats`` requests each: the median request."""
         context = min(self.plan.contexts)
         prompt = torch.randint(self.arch.vocab_size, (context,)).tolist()
@@ -326,8 +327,8 @@ def render(result: dict) -> list:
         predicted.add_row(str(r["context"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['overhead_ms']:.2f}",
                           f"{r['round_in_steps']:.2f}", *(f"{r['speedup'][t]:.2f}×" for t in taus))
     empty = result["empty"]
-    empties = Table(title=f"decoding at batch 1 from {empty['context']} tokens, ms per token: plain decoding beside adaptive DLite "
-                          "where it proposes (almost) nothing (random weights), what a method's round costs when nothing pays")
+    empties = Table(title=f"decoding at batch 1 from {empty['context']} tokens, ms per token: plain decoding beside adaptive DLite with "
+                          "random weights, which proposes what it expects to pay for (where a wider pass costs more, nearly nothing)")
     for column in ("method", "ms / token", "proposed / round", "× plain"):
         empties.add_column(column, justify="right")
     for name in ("plain", "dlite"):
