@@ -322,9 +322,8 @@ def summarize(record: dict, plain: dict | None) -> dict:
            "itl_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None, "itl_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
            "reuse_mean": statistics.mean(reuse) if reuse else None, "kept_mean": statistics.mean(kept) if kept else None,
            "kept_min": min(kept) if kept else None,
-           "prompt_tokens": statistics.mean([t["prompt_tokens"] for t in turns if t["prompt_tokens"]] or [0]), "turns": len(turns),
-           "failed": len(failed_turns(record))}
-    if plain is not None and plain is not record:
+           "prompt_tokens": statistics.mean([t["prompt_tokens"] for t in turns if t["prompt_tokens"]] or [0]), "turns": len(turns)}
+    if plain is not None and plain is not record and turns:
         row["speedup"] = row["tokens_per_s"] / tokens_per_s(plain)
         row["interval"] = speedup_interval(by_session(plain), by_session(record))
         texts = {(t["session"], t["turn"]): t["text_sha"] for t in answered_turns(plain)}
