@@ -54,8 +54,10 @@ class KeepAliveCloser(socketserver.ThreadingTCPServer):
 class CloserHandler(socketserver.StreamRequestHandler):
     def handle(self):
         for answered in range(2):
-            head = [line for line in iter(self.rfile.readline, b"\r\n") if line]
-            if not head:
+            head = []
+            while (line := self.rfile.readline()) not in (b"\r\n", b""):
+                head.append(line)
+            if line == b"" or not head:  # the client closed the connection
                 return
             length = next((int(h.split(b":")[1]) for h in head if h.lower().startswith(b"content-length")), 0)
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -89,6 +91,7 @@ def test_sessions_measure_a_server_that_closes_kept_alive_connections_and_record
         done = run_cli(*SESSIONS, "--url", url, "--methods", "closer")
     finally:
         server.shutdown()
+        server.server_close()
     assert server.dropped > 0 and "Traceback" not in done.stderr
     runs = [json.loads(line) for line in (tmp_path / "runs" / "micro" / "sessions" / "runs.jsonl").read_text().splitlines()]
     assert [(r["method"], r["concurrency"]) for r in runs] == [("closer", 1), ("closer", 2)]
