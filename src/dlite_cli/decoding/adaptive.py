@@ -110,12 +110,11 @@ class VerifyCosts:
         least as fast as plain steps would, (B + Σ accepted) / (draft_ms + T_B(widest proposed + 1)) > B / T_B(1),
         and the set that commits fastest; none where no set pays.  Over four rows a pass of 2 tokens a row may cost
         1.5 steps: one row's likely token does not pay for it, four rows' do."""
-        plain = self.batch / self.cost(1)
-        best, best_rate, chosen, accepted, widest = [], plain, [], 0.0, 0.0
+        best, best_rate, chosen, accepted, widest = [], self.rate(0.0, 0.0, 0.0), [], 0.0, 0.0
         for row in sorted(range(len(gains)), key=lambda r: -gains[r][0]):
             chosen.append(row)
             accepted, widest = accepted + gains[row][0], max(widest, gains[row][1])
-            rate = (self.batch + accepted) / (draft_ms + self.cost(round(widest) + 1))
+            rate = self.rate(accepted, widest, draft_ms)
             if rate > best_rate:
                 best, best_rate = list(chosen), rate
         return sorted(best)
