@@ -178,7 +178,7 @@ def generate(
     engine: EngineOption = None,
 ) -> None:
     """Decode one prompt with speculative decoding and print the text and its acceptance statistics."""
-    from .decoding.engine import SamplingParams
+    from .decoding.requests import SamplingParams
     from .serve.generate import generate as run_generate
 
     config = _load(target, set_)

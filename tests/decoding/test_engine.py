@@ -10,9 +10,9 @@ from conftest import DEVICE, chi_square_passes, on_levels
 
 from dlite_cli.core.config import DrafterConfig, SuffixConfig, TargetConfig
 from dlite_cli.core.errors import DliteError
-from dlite_cli.decoding import engine as engine_module
+from dlite_cli.decoding import sampling
 from dlite_cli.decoding.adaptive import VerifyCosts
-from dlite_cli.decoding.engine import Engine, OutputText, Request, SamplingParams, probabilities
+from dlite_cli.decoding.engine import Engine
 from dlite_cli.decoding.methods import checkpoint_of, known_method, load_proposer, parse_method
 from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
 from dlite_cli.decoding.proposers.hybrid import HybridDrafter
@@ -20,6 +20,8 @@ from dlite_cli.decoding.proposers.model import ModelDrafter
 from dlite_cli.decoding.proposers.ngram import NgramDrafter
 from dlite_cli.decoding.proposers.none import NoDrafter
 from dlite_cli.decoding.proposers.suffix import SuffixDrafter
+from dlite_cli.decoding.requests import OutputText, Request, SamplingParams
+from dlite_cli.decoding.sampling import probabilities
 from dlite_cli.models.layer_ops import KernelOps
 from dlite_cli.models.linears import layer_linears, linear_bytes, target_linears
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
@@ -525,7 +527,7 @@ def test_speculative_sampling_matches_the_targets_distribution_and_a_broken_rule
         samples = sampled_positions(micro, prompts[0], params, 600, path, vocabulary, how)
         assert all(chi_square_passes(s, e) for s, e in zip(samples, expected)), (path, how)
     # the classic bug: after a rejection, resample from p instead of the residual max(p − q, 0)
-    monkeypatch.setattr(engine_module, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p)
     broken = sampled_positions(micro, prompts[0], params, 600)
     assert not all(chi_square_passes(s, e) for s, e in zip(broken[1:], expected[1:]))
 

@@ -7,9 +7,10 @@ import torch
 
 from dlite_cli.core.config import load_config
 from dlite_cli.core.errors import DliteError
-from dlite_cli.decoding.engine import Request, SamplingParams, load_engine
+from dlite_cli.decoding.engine import load_engine
 from dlite_cli.decoding.methods import PROPOSERS, Method, known_drafter, known_method, parse_method
 from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
+from dlite_cli.decoding.requests import Request, SamplingParams
 
 
 def test_the_grammar_reads_engine_drafter_pairing_and_fixed(tmp_path):

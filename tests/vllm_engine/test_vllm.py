@@ -21,9 +21,10 @@ from dlite_cli.bench.bench import plan_from
 from dlite_cli.bench.sessions import free_port
 from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig, load_config
 from dlite_cli.core.errors import DliteError
-from dlite_cli.decoding.engine import Engine, Request, SamplingParams, stop_tokens_and_text
+from dlite_cli.decoding.engine import Engine, stop_tokens_and_text
 from dlite_cli.decoding.methods import known_method, load_proposer, parse_method
 from dlite_cli.decoding.proposers.base import ProposerSetup
+from dlite_cli.decoding.requests import Request, SamplingParams
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec
 from dlite_cli.models.runner import TargetRunner
 from dlite_cli.models.targets import load_model, prepare_target

@@ -49,9 +49,10 @@ from ..core.progress import progress_bar
 from ..data.workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 from ..decoding.checkpoints import drafter_origin
 from ..decoding.decoding_plan import bench_plan
-from ..decoding.engine import Engine, Request, SamplingParams, proposer_setup, stop_tokens_and_text
+from ..decoding.engine import Engine, proposer_setup, stop_tokens_and_text
 from ..decoding.methods import VLLM_PREFIX, checkpoint_of, known_method, load_proposer, parse_method
 from ..decoding.proposers.suffix import suffix_part
+from ..decoding.requests import Request, SamplingParams
 from ..models.chat import chat_prompt_ids
 from ..models.graphs import CAPTURES
 from ..models.runner import TargetRunner, decode_path, pass_width

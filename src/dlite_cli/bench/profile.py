@@ -31,11 +31,12 @@ from ..core.errors import DliteError
 from ..core.memory import GB, HEADROOM, MemoryPlan, device_memory, kv_bytes_per_token, size
 from ..core.progress import progress_bar
 from ..data.hub import is_hub_id
-from ..decoding.engine import Engine, Request, SamplingParams
+from ..decoding.engine import Engine
 from ..decoding.proposers.dlite import DLiteAdapter
 from ..decoding.proposers.history import HistoryAdapter
 from ..decoding.proposers.model import draft_dtype
 from ..decoding.proposers.none import NoDrafter
+from ..decoding.requests import Request, SamplingParams
 from ..models.linears import linear_bytes, target_linears
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from ..models.runner import TargetRunner, decode_path

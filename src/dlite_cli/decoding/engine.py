@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,202 +28,11 @@ from ..core.devices import now
 from ..core.errors import DliteError
 from ..models.graphs import CAPTURES
 from ..models.model import greedy_pick
-from ..models.runner import Prefill, TargetRunner, decode_path, pass_width
+from ..models.runner import TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 from .engines import DecodingEngine
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-    def check(self) -> None:
-        if self.max_new_tokens < 1:
-            raise DliteError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise DliteError(f"temperature must be ≥ 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise DliteError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise DliteError(f"top_k must be ≥ 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class Stats:
-    """Decoding counters of one request, or of a whole engine (then times are per batched step)."""
-
-    draft_tokens: int = 0  # K
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0  # of those, found in the slot's cache and not computed again
-    generated_tokens: int = 0
-    rounds: int = 0  # verify rounds, per row
-    committed: int = 0  # tokens accepted by those rounds (accepted drafts + the target's own token)
-    steps: int = 0  # batched verify passes the times below cover
-    prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    overhead_seconds: float = 0.0  # acceptance and bookkeeping between the two
-    capture_seconds: float = 0.0  # CUDA graphs captured during the rounds: taken out of the times above
-    draft_kv_bytes: int = 0  # peak draft-side KV cache (0 for DLite)
-    proposed: list[int] = field(default_factory=list)  # per draft position: rounds that proposed it
-    accepted: list[int] = field(default_factory=list)  # … and that accepted it
-
-    def __post_init__(self):
-        self.proposed = self.proposed or [0] * self.draft_tokens
-        self.accepted = self.accepted or [0] * self.draft_tokens
-
-    @property
-    def tau(self) -> float:
-        return self.committed / self.rounds if self.rounds else 1.0
-
-    def as_dict(self) -> dict:
-        def per_step(seconds: float) -> float:
-            return round(1000 * seconds / self.steps, 3) if self.steps else 0.0
-
-        return {
-            "tau": round(self.tau, 4),
-            "prompt_tokens": self.prompt_tokens,
-            "reused_prompt_tokens": self.reused_prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "rounds": self.rounds,
-            "acceptance": [round(a / p, 4) if p else None for a, p in zip(self.accepted, self.proposed)],
-            "prefill_ms": round(1000 * self.prefill_seconds, 3),
-            "draft_ms_per_round": per_step(self.draft_seconds),
-            "verify_ms_per_round": per_step(self.verify_seconds),
-            "overhead_ms_per_round": per_step(self.overhead_seconds),
-            "decode_seconds": round(self.draft_seconds + self.verify_seconds + self.overhead_seconds, 4),
-            "capture_seconds": round(self.capture_seconds, 4),
-            "draft_kv_bytes": self.draft_kv_bytes,
-        }
-
-
-@dataclass(eq=False)  # compared by identity: a request is one live object
-class Request:
-    """One sequence: its prompt and parameters, then (filled by the engine) its output and state."""
-
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    output_ids: list[int] = field(default_factory=list)  # the anchor is the last one while decoding
-    text: str = ""
-    finish_reason: str | None = None  # stop | length | cancelled | error
-    error: Exception | None = None  # what failed, where finish_reason is error
-    stats: Stats | None = None
-    output_text: OutputText | None = None  # the text of output_ids so far, as they arrive
-    slot: int = -1
-    pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
-    generator: torch.Generator | None = None
-    prefill: Prefill | None = None  # while its prompt is being prefilled
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def anchor(self) -> int:
-        return self.output_ids[-1]
-
-    def last_tokens(self, count: int) -> list[int]:
-        """The last ``count`` tokens, the anchor last (the first one repeated where the sequence is shorter)."""
-        tail = (self.prompt_ids[-count:] + self.output_ids[-count:])[-count:]
-        return [tail[0]] * (count - len(tail)) + tail
-
-    @property
-    def position(self) -> int:
-        """The anchor's absolute position (the tokens before it are in the target's cache)."""
-        return len(self.prompt_ids) + len(self.output_ids) - 1
-
-
-class OutputText:
-    """A request's output text, decoded as its tokens arrive.  New tokens are decoded with those of the last whole
-    characters before them for context (a byte-level token can end inside a character, and a tokenizer may space a
-    token by its neighbour), and only once the text they add is whole: an output costs time linear in its length,
-    and its text only ever grows, so a stream of it never has to take text back."""
-
-    def __init__(self, decode):
-        self.decode, self.ids, self.text = decode, [], ""
-        self.context = 0  # ids[context:settled] are in ``text`` and decoded again as context for the next ones
-        self.settled = 0  # ids[:settled] are in ``text``
-
-    def extend(self, ids: list[int], final: bool = False) -> None:
-        """Add ``ids``; ``final``: no more will come, so a trailing partial character is kept as it decodes."""
-        self.ids += ids
-        if self.settled == len(self.ids):
-            return
-        known = self.decode(self.ids[self.context : self.settled])
-        whole = self.decode(self.ids[self.context :])
-        if whole.endswith("\ufffd") and not final:
-            return
-        self.text += whole[len(known) :]
-        self.context, self.settled = self.settled, len(self.ids)
-
-
-# ---------------------------------------------------------------- sampling
-
-
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits (..., V) → the distribution to sample from, after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Where to sample after rejecting a draft: norm(max(p − q, 0)) (p, q (V,))."""
-    residual = (p - q).clamp(min=0)
-    total = residual.sum()
-    return residual / total if total > 0 else p
-
-
-def accept_sampled(target_logits, drafts, draft_logits, params, generator) -> tuple[int, int]:
-    """Speculative rejection sampling for one row.
-
-    target_logits (L+1, V); drafts (L,); draft_logits (L, V) or None for certain proposals.
-    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
-    next token comes from the residual; if all L are kept, from p_{L+1}.  → (accepted n, next token).
-    """
-    p = probabilities(target_logits.cpu(), params)
-    if draft_logits is None:
-        q = torch.nn.functional.one_hot(drafts.cpu(), p.shape[-1]).float()
-    else:
-        q = probabilities(draft_logits.cpu(), params)
-    for i, token in enumerate(drafts.tolist()):
-        if torch.rand((), generator=generator) * q[i, token] < p[i, token]:
-            continue
-        return i, sample(residual_distribution(p[i], q[i]), generator)
-    return len(drafts), sample(p[len(drafts)], generator)
-
-
-def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """choice (B, L+1) the target's argmax, draft (B, L), lengths (B,) → accepted n (B,), next tokens (B,)."""
-    L = draft.shape[1]
-    agree = (draft == choice[:, :L]) & (torch.arange(L, device=draft.device) < lengths[:, None])
-    n = agree.long().cumprod(dim=1).sum(dim=1)
-    return n, choice.gather(1, n[:, None])[:, 0]
-
-
-# ---------------------------------------------------------------- the engine
+from .requests import OutputText, Request, Stats
+from .sampling import SamplingPick, accept_greedy, accept_sampled, probabilities, sample
 
 
 class RoundClock:
@@ -523,24 +331,6 @@ class Engine(DecodingEngine):
         return text[: min(cuts)] if cuts else text
 
 
-@dataclass
-class SamplingPick:
-    """A drafter's choice of each proposal for ``rows``: logits (B, V), row b of them ``rows[b]``'s → (B,) a sample
-    from the tempered/top-k/top-p distribution the target will use for that row, with its generator (argmax for a
-    greedy row).  A drafter that drafts only some rows picks for them with :meth:`subset`."""
-
-    rows: list
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        chosen = logits.argmax(-1)
-        for b, row in enumerate(self.rows):
-            if not row.params.greedy:
-                chosen[b] = sample(probabilities(logits[b], row.params), row.generator)
-        return chosen
-
-    def subset(self, indices: list[int]) -> "SamplingPick":
-        """The pick for ``rows[i]`` for each i in ``indices``, in that order."""
-        return SamplingPick([self.rows[i] for i in indices])
 
 
 def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacity: int | None = None, log=print, response_tokens: int = 0):

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from ..core.config import Config
-from ..decoding.engine import Request, SamplingParams, load_engine
+from ..decoding.engine import load_engine
 from ..decoding.engines import open_engine
+from ..decoding.requests import Request, SamplingParams
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_tokenizer, prepare_target
 

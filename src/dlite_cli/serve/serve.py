@@ -39,7 +39,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..core.errors import DliteError
-from ..decoding.engine import Engine, Request, SamplingParams
+from ..decoding.engine import Engine
+from ..decoding.requests import Request, SamplingParams
 from ..models.chat import TOOL_CALL, TOOL_CALL_OPEN, chat_prompt_ids, parse_tool_call
 
 MAX_BODY_BYTES = 1 << 20

@@ -158,7 +158,7 @@ class EngineBackend:
         pass  # the model is the caller's
 
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
-        from ..decoding.engine import Request, SamplingParams
+        from ..decoding.requests import Request, SamplingParams
 
         regen = self.regen
         requests = [Request(ids, SamplingParams(min(regen.max_new_tokens, regen.max_length - len(ids)), regen.temperature,

@@ -23,10 +23,10 @@ from ..core.config import SuffixConfig
 from ..core.errors import DliteError
 from ..core.files import atomic_write_text, cache_dir
 from ..decoding.checkpoints import resolve_drafter_path
-from ..decoding.engine import Request, Stats
 from ..decoding.engines import VLLM_INSTALL, DecodingEngine
 from ..decoding.methods import FIXED, Method, known_drafter, pairings
 from ..decoding.proposers.suffix import suffix_cache_class
+from ..decoding.requests import Request, Stats
 from . import check_version, checked_spec, is_dlite_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}

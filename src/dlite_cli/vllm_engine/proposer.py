@@ -31,10 +31,11 @@ import torch
 
 from ..core.config import SuffixConfig
 from ..decoding.adaptive import VerifyCosts
-from ..decoding.engine import Request, SamplingParams, SamplingPick, probabilities
 from ..decoding.methods import paired, parse_method
 from ..decoding.proposers.base import ProposerSetup
 from ..decoding.proposers.dlite import DLiteAdapter
+from ..decoding.requests import Request, SamplingParams
+from ..decoding.sampling import SamplingPick, probabilities
 from ..models.model import greedy_pick
 from ..models.release import load_drafter
 
