@@ -21,7 +21,8 @@ from dlite_cli.decoding.engine import load_engine
 from dlite_cli.models.model import Drafter, DrafterSpec
 from dlite_cli.models.runner import Prefill
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.serve.serve import ToolCallSplit, create_app
+from dlite_cli.serve.app import create_app
+from dlite_cli.serve.worker import ToolCallSplit
 
 CHAT = [{"role": "user", "content": "def parse(self, text):"}]
 FIXED = ("--set", "decode.adaptive=off")
