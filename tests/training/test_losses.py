@@ -1,8 +1,14 @@
 import math
 
+import pytest
 import torch
+from transformers import LlamaConfig
 
-from dlite_cli.training.losses import cross_entropy, dropped_mass, forward_kl, position_weights, stable_loss, total_variation
+from dlite_cli.core.config import DrafterConfig, load_config
+from dlite_cli.core.errors import DliteError
+from dlite_cli.models.model import Drafter, DrafterSpec
+from dlite_cli.training.losses import LOSSES, Loss, cross_entropy, dropped_mass, forward_kl, position_weights, stable_loss, total_variation
+from dlite_cli.training.steps import stage_batches, stage_loss, stage_plan, synthetic_sequences
 
 torch.manual_seed(0)
 B, K, V = 3, 4, 11
@@ -76,3 +82,26 @@ def test_tokens_outside_the_draft_vocabulary():
     draft_labels = torch.where(labels < 7, labels, -1)
     expected = reference(lambda b, i: -math.log(q_small[b, i][labels[b, i]]) if labels[b, i] < 7 else 0.0)
     assert math.isclose(cross_entropy(small, draft_labels, valid, weights).item(), expected, rel_tol=1e-5)
+
+
+def test_a_new_loss_is_its_function_and_one_registry_line_and_the_config_names_it(monkeypatch):
+    """A stage trains with the loss its config names; a new one is added as a user would: a function, its line in
+    LOSSES (here by monkeypatch) and ``train.stable_loss`` naming it."""
+    monkeypatch.setitem(LOSSES, "double_ce", Loss(lambda x: 2 * cross_entropy(x.logits, x.labels, x.valid, x.weights)))  # the registry line
+    target = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    spec = DrafterSpec.for_target(target, DrafterConfig(num_target_layers=3, draft_tokens=K, num_layers=1, head_rank=16), 0)
+    torch.manual_seed(0)
+    drafter, embed = Drafter(spec), torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+    sizes = ["train.max_length=64", "train.micro_batch=2"]
+    sequences, losses = synthetic_sequences(spec, load_config("micro", sizes).train), {}
+    for name in ("ce", "double_ce"):
+        train = load_config("micro", [f"train.stable_loss={name}", *sizes]).train
+        plan = stage_plan("stable", train)
+        batches = stage_batches(plan, train, drafter, None, sequences, [0, 1], K)
+        with torch.no_grad():
+            losses[name] = float(stage_loss(plan, train, drafter, None, embed, batches, position_weights(K, train.gamma), torch.device("cpu")))
+    assert losses["double_ce"] == pytest.approx(2 * losses["ce"]) and losses["ce"] > 0
+    with pytest.raises(DliteError, match="^stage stable: unknown loss 'tv': expected one of ce, kl, stable, double_ce$"):
+        stage_plan("stable", load_config("micro", ["train.stable_loss=tv"]).train)
+    with pytest.raises(DliteError, match="^stage stable-scratch: the loss kl distils a teacher, and this stage starts from none$"):
+        stage_plan("stable-scratch", load_config("micro", ["train.stable_loss=kl"]).train)

@@ -166,6 +166,11 @@ class TrainConfig:
     gamma: float = positive(4.0)
     lambda_ce: float = non_negative(0.1)
     lambda_tv: float = non_negative(1.0)
+    # each stage's loss, by its name in training/losses.py: the teacher's CE on the regenerated tokens, warmup's forward
+    # KL to the frozen teacher, and stage 2's (and the single-stage drafters') λ_CE · CE + λ_TV · TV
+    teacher_loss: str = "ce"
+    warmup_loss: str = "kl"
+    stable_loss: str = "stable"
     max_length: int = positive(4096)
     anchors_per_sample: int = positive(512)
     features: Literal["online", "cached"] = "online"

@@ -7,12 +7,20 @@ anchors.  The target distribution p^T is stored sparsely as its top-k
 (probabilities and ids): the TV term is then exact for the truncated p^T, and
 differs from the full one by at most the dropped mass 1 − Σ top-k (which
 :func:`dropped_mass` reports).
+
+A stage trains with the loss its config names (``train.teacher_loss``, ``train.warmup_loss``, ``train.stable_loss``)
+from :data:`LOSSES`.  Adding a loss is its function here, one line in :data:`LOSSES`, and the config naming it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from ..core.config import TrainConfig
 
 
 def position_weights(k: int, gamma: float) -> torch.Tensor:
@@ -65,3 +73,31 @@ def stable_loss(logits, labels, target_probs, target_ids, valid, weights, lambda
 def dropped_mass(target_probs: torch.Tensor) -> torch.Tensor:
     """1 − Σ top-k p^T per position: the bound on how far the sparse TV is from the full one."""
     return 1 - target_probs.float().sum(-1)
+
+
+@dataclass
+class LossInputs:
+    """What a stage's loss may read, for B anchors × K draft positions (V: the drafter's vocabulary)."""
+
+    logits: torch.Tensor  # (B, K, V) the drafter's
+    labels: torch.Tensor  # (B, K) the regenerated tokens in the drafter's vocabulary; < 0: none, or outside it
+    valid: torch.Tensor  # (B, K) bool: the position has a label
+    weights: torch.Tensor  # (K,) w_i
+    target_probs: torch.Tensor  # (B, K, k) p^T as its top-k
+    target_ids: torch.Tensor  # (B, K, k) their ids in the drafter's vocabulary (< 0: outside it)
+    teacher_logits: torch.Tensor | None  # (B, K, V) the frozen teacher's, for a loss that distils it; else None
+    train: TrainConfig  # the loss's weights (lambda_ce, lambda_tv)
+
+
+@dataclass(frozen=True)
+class Loss:
+    compute: Callable[[LossInputs], torch.Tensor]  # → the scalar loss
+    needs_teacher: bool = False  # it reads teacher_logits: the stage's ``init_from`` drafter, kept frozen
+
+
+LOSSES: dict[str, Loss] = {
+    "ce": Loss(lambda x: cross_entropy(x.logits, x.labels, x.valid, x.weights)),
+    "kl": Loss(lambda x: forward_kl(x.teacher_logits, x.logits, x.valid, x.weights), needs_teacher=True),
+    "stable": Loss(lambda x: stable_loss(x.logits, x.labels, x.target_probs, x.target_ids, x.valid, x.weights, x.train.lambda_ce,
+                                         x.train.lambda_tv)),
+}

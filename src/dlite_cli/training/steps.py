@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import TrainConfig
+from ..core.errors import DliteError
 from ..models.model import FULL_HISTORY, DrafterSpec
 from .features import Sequence
-from .losses import cross_entropy, forward_kl, stable_loss
+from .losses import LOSSES, LossInputs
 from .regen import spans_of
 
 
@@ -18,10 +19,15 @@ from .regen import spans_of
 class StagePlan:
     name: str
     history_window: int
-    loss: str  # ce | kl | stable
+    loss: str  # a name in losses.LOSSES
     epochs: int
     init_from: str | None  # stage whose export initialises the drafter (warmup: also the frozen teacher)
     sequential_head: bool = True  # False: the pure-parallel ablation, whatever drafter.sequential_head says
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether its loss distils a frozen teacher (warmup's forward KL): ``init_from``'s drafter, kept frozen."""
+        return LOSSES[self.loss].needs_teacher
 
     def drafter_spec(self, spec: DrafterSpec) -> DrafterSpec:
         """The drafter this stage trains, from the drafter config's ``spec``: the stage's history window, and no
@@ -30,17 +36,25 @@ class StagePlan:
 
 
 def stage_plan(name: str, train: TrainConfig) -> StagePlan:
+    """The training stage ``name`` under ``train``; a loss the config names that :data:`losses.LOSSES` lacks, or one that
+    distils a teacher in a stage with none, is refused in one sentence."""
     # the single-stage runs get the epochs of the stage-2 drafter they are compared with
     single = train.stable_epochs if train.stable_init == "scratch" else train.warmup_epochs + train.stable_epochs
+    stable = train.stable_loss
     plans = {
         # teacher_window: −1 = full (the paper's teacher); 128 / 512 / 0 give the history ablations
-        "train-teacher": StagePlan("train-teacher", train.teacher_window, "ce", train.teacher_epochs, None),
-        "warmup": StagePlan("warmup", 0, "kl", train.warmup_epochs, "train-teacher"),
-        "stable": StagePlan("stable", 0, "stable", train.stable_epochs, "warmup" if train.stable_init == "warmup" else None),
-        "stable-scratch": StagePlan("stable-scratch", 0, "stable", single, None),
-        "stable-parallel": StagePlan("stable-parallel", 0, "stable", single, None, sequential_head=False),
+        "train-teacher": StagePlan("train-teacher", train.teacher_window, train.teacher_loss, train.teacher_epochs, None),
+        "warmup": StagePlan("warmup", 0, train.warmup_loss, train.warmup_epochs, "train-teacher"),
+        "stable": StagePlan("stable", 0, stable, train.stable_epochs, "warmup" if train.stable_init == "warmup" else None),
+        "stable-scratch": StagePlan("stable-scratch", 0, stable, single, None),
+        "stable-parallel": StagePlan("stable-parallel", 0, stable, single, None, sequential_head=False),
     }
-    return plans[name]
+    plan = plans[name]
+    if plan.loss not in LOSSES:
+        raise DliteError(f"stage {name}: unknown loss {plan.loss!r}: expected one of {', '.join(LOSSES)}")
+    if plan.needs_teacher and plan.init_from is None:
+        raise DliteError(f"stage {name}: the loss {plan.loss} distils a teacher, and this stage starts from none")
+    return plan
 
 
 def valid_anchors(sequence: Sequence) -> torch.Tensor:
@@ -172,14 +186,12 @@ def batch_loss(plan: StagePlan, train: TrainConfig, drafter, teacher, embed, bat
     logits = drafter(batch.context, batch.tokens, embed, batch.previous, **own_history)
     vocabulary = getattr(drafter, "module", drafter)  # unwrapped from DDP
     labels = torch.where(batch.labels >= 0, vocabulary.to_draft(batch.labels.clamp(min=0)), -1)
-    if plan.loss == "ce":
-        return cross_entropy(logits, labels, batch.valid, weights)
-    if plan.loss == "kl":
+    teacher_logits = None
+    if plan.needs_teacher:
         with torch.no_grad():
             teacher_logits = teacher(batch.context, batch.tokens, embed, batch.previous, **batch.history)
-        return forward_kl(teacher_logits, logits, batch.valid, weights)
-    top_ids = vocabulary.to_draft(batch.top_ids)
-    return stable_loss(logits, labels, batch.top_probs, top_ids, batch.valid, weights, train.lambda_ce, train.lambda_tv)
+    inputs = LossInputs(logits, labels, batch.valid, weights, batch.top_probs, vocabulary.to_draft(batch.top_ids), teacher_logits, train)
+    return LOSSES[plan.loss].compute(inputs)
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.mixed_precision → the autocast dtype

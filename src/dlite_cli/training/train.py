@@ -85,7 +85,7 @@ def mixed_precision(plan: StagePlan, train: TrainConfig, spec: DrafterSpec, devi
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size, device=device).requires_grad_(False)
     sequences = synthetic_sequences(spec, train)
     teacher = None
-    if plan.loss == "kl":  # warmup distils a frozen history-aware teacher
+    if plan.needs_teacher:
         teacher = Drafter(stage_plan(plan.init_from, train).drafter_spec(spec)).to(device).eval().requires_grad_(False)
     options = {name: lambda name=name: 1000 * step_seconds(plan, train, spec, embed, sequences, device, name, 1, teacher, warmup=1)[0]
                for name in ("no", "bf16")}
@@ -244,7 +244,7 @@ class Trainer:
             missing, _ = drafter.load_state_dict(upstream.state_dict(), strict=False)
             if missing:
                 raise DliteError(f"the {self.plan.init_from} drafter lacks weights this stage needs: {', '.join(missing[:3])}")
-            if self.plan.loss == "kl":
+            if self.plan.needs_teacher:
                 teacher = upstream.requires_grad_(False).eval()
         return drafter, teacher
 
