@@ -10,6 +10,8 @@ run directory (a lock the kernel releases when the holder dies).
 
 from __future__ import annotations
 
+import functools
+import os
 import shlex
 import shutil
 import signal
@@ -27,6 +29,7 @@ from typer.core import TyperGroup
 from .core.artifacts import STAGES, Stage, dir_size, human_bytes, run_dir_lock
 from .core.config import Pipeline, PipelineStage
 from .core.errors import DliteError
+from .core.processes import die_with_parent
 
 
 @dataclass
@@ -78,14 +81,6 @@ def launcher(stage: PipelineStage) -> list[str]:
     return [found, *rest, "-m", "dlite_cli"]
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the runner dies, even by SIGKILL (Linux), so no orphan keeps writing."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _stage_done(run_dir: Path, stage: PipelineStage) -> bool:
     """Whether the stage's folder holds a finished manifest (stages without a folder: False)."""
     folder = stage.name if stage.name in STAGES else stage.command
@@ -122,7 +117,8 @@ def run_pipeline(
             if prefix is None:
                 group.main(args=argv, prog_name="dlite", standalone_mode=False)
             else:
-                done = subprocess.run(prefix + argv, preexec_fn=_die_with_parent)
+                # a stage gets SIGTERM when the runner dies, even by kill -9, so no orphan keeps writing
+                done = subprocess.run(prefix + argv, preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
                 if done.returncode != 0:
                     raise DliteError(f"stage {stage.name} failed with exit code {done.returncode}; run the pipeline again to resume it")
             timings.append(StageTiming(stage.name, time.perf_counter() - start, already_done))

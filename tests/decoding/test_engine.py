@@ -642,9 +642,9 @@ def test_a_pass_is_as_wide_as_its_tokens_unless_identical_text_or_a_gpus_graphs_
 
     path = decode_path("auto", torch.device("cpu"), dtype, identical_text)
     fixed = identical_text and dtype != torch.float32
-    assert path == ("static" if fixed else "eager") and pass_width(K, dtype, path, identical_text) == (K + 1 if fixed else 1)
+    assert path == ("static" if fixed else "eager") and pass_width(K + 1, dtype, path, identical_text) == (K + 1 if fixed else 1)
     graphs = decode_path("auto", torch.device("cuda"), dtype, identical_text)
-    assert graphs == "graphs" and pass_width(K, dtype, graphs, identical_text) == (1 if dtype == torch.float32 else K + 1)
+    assert graphs == "graphs" and pass_width(K + 1, dtype, graphs, identical_text) == (1 if dtype == torch.float32 else K + 1)
 
 
 def test_identical_text_gives_plain_decoding_and_a_drafting_method_the_same_passes_and_text(prompts):

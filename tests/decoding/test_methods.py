@@ -8,9 +8,11 @@ import torch
 from dlite_cli.core.config import load_config
 from dlite_cli.core.errors import DliteError
 from dlite_cli.decoding.engine import load_engine
+from dlite_cli.decoding.engines import supported_vllm
 from dlite_cli.decoding.methods import PROPOSERS, Method, known_drafter, known_method, parse_method
 from dlite_cli.decoding.proposers.base import Draft, Proposer, ProposerSetup
 from dlite_cli.decoding.requests import Request, SamplingParams
+from dlite_cli.serve.generate import decoding_engine
 
 
 def test_the_grammar_reads_engine_drafter_pairing_and_fixed(tmp_path):
@@ -87,3 +89,16 @@ def test_a_new_proposer_is_its_class_and_one_registry_line(cache_dir, monkeypatc
     with pytest.raises(DliteError, match="unknown drafter 'repeat'"):
         monkeypatch.delitem(PROPOSERS, "repeat")
         known_method("repeat")
+
+
+def test_a_new_proposer_vllm_has_no_method_for_is_refused_there_and_decoded_in_dlites_engine_under_auto(cache_dir, monkeypatch, tmp_path):
+    monkeypatch.setitem(PROPOSERS, "repeat", RepeatProposer)  # the registry line, and nothing for vLLM
+    config, lines = load_config("micro", []), []
+    with pytest.raises(DliteError) as refused:
+        decoding_engine(config, tmp_path, "repeat", "vllm", 8, lines.append)
+    assert str(refused.value) == "vLLM has no speculative method for repeat: decode it in dlite's engine (--engine dlite)"
+    if not supported_vllm():
+        pytest.skip("auto chooses vLLM only where the vllm extra is installed (make test installs it)")
+    engine, _, name = decoding_engine(config, tmp_path, "repeat", "auto", 8, lines.append)
+    assert name == "dlite" and isinstance(engine.drafter, RepeatProposer)
+    assert f"{refused.value}: in dlite's own engine instead" in lines

@@ -13,8 +13,9 @@ import openai
 import pytest
 import torch
 
-from dlite_cli.bench.sessions import free_port, serve_argv, started
+from dlite_cli.bench.sessions import dlite_serve_argv
 from dlite_cli.core.config import MicroConfig, TargetConfig
+from dlite_cli.core.processes import free_port, started
 from dlite_cli.models.chat import chat_prompt_ids
 from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
 
@@ -119,8 +120,8 @@ def test_an_agent_framework_runs_a_five_turn_tool_session(engine, tool_caller, t
     overrides = [f"target.model={tool_caller}", "vllm.enforce_eager=true", "vllm.kv_cache_gib=0.25"]
     port = free_port()
     method = "ar" if engine == "dlite" else "vllm:ar"
-    with started(serve_argv(method, "micro", tmp_path, overrides, port), tmp_path / "serve.log", port) as url:
-        outputs, sent = asyncio.run(agent_session(url))
+    with started(dlite_serve_argv(method, "micro", tmp_path, overrides, port), tmp_path / "serve.log", port) as server:
+        outputs, sent = asyncio.run(agent_session(server.url))
     assert outputs == [RESULT] * TURNS  # every turn the framework read a tool call out of the reply and ran it
     assert len(sent) == TURNS and all(body["tools"][0]["function"]["name"] == "read_file" for body in sent)
     last = sent[-1]["messages"]

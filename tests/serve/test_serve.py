@@ -2,8 +2,6 @@
 
 import json
 import logging
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -15,8 +13,8 @@ import pytest
 import torch
 from conftest import AGENT_MESSAGES, AGENT_TOOLS, DEVICE
 
-from dlite_cli.bench.sessions import free_port
 from dlite_cli.core.config import DrafterConfig, TargetConfig, load_config
+from dlite_cli.core.processes import free_port, started
 from dlite_cli.decoding.engine import load_engine
 from dlite_cli.models.model import Drafter, DrafterSpec
 from dlite_cli.models.runner import Prefill
@@ -39,27 +37,6 @@ def drafter_dir(cache_dir, tmp_path_factory):
     return path
 
 
-def start_server(cache_dir, workdir, *args):
-    """``dlite serve`` on micro in its own process; its log goes to ``workdir/serve.log``."""
-    port = free_port()
-    log = open(workdir / "serve.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dlite_cli", "serve", "--target", "micro", "--port", str(port), *args],
-        cwd=workdir, env={**os.environ, "DLITE_CACHE": str(cache_dir)}, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while True:
-        assert process.poll() is None, (workdir / "serve.log").read_text()[-2000:]
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
 def server_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("serve")
@@ -69,11 +46,11 @@ def server_dir(tmp_path_factory):
 def server(cache_dir, drafter_dir, server_dir):
     # fixed drafting: adaptive drafting decides from measured times what to propose, and so a request's τ and
     # which tokens a seed samples (never the greedy text) could differ between this server and `dlite generate`
-    process, url = start_server(cache_dir, server_dir, "--drafter", str(drafter_dir), *FIXED,
-                                "--max-batch", "2", "--max-queue", "1", "--max-context", "1024", "--max-tokens", "40")
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
+    port = free_port()
+    argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", "micro", "--port", str(port), "--drafter", str(drafter_dir), *FIXED,
+            "--max-batch", "2", "--max-queue", "1", "--max-context", "1024", "--max-tokens", "40"]
+    with started(argv, server_dir / "serve.log", port, {"DLITE_CACHE": str(cache_dir)}, server_dir) as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ import torch
 from conftest import AGENT_MESSAGES, AGENT_TOOLS, chi_square_passes
 
 from dlite_cli.bench.bench import plan_from
-from dlite_cli.bench.sessions import free_port
 from dlite_cli.core.config import BenchConfig, DrafterConfig, MicroConfig, SuffixConfig, TargetConfig, load_config
 from dlite_cli.core.errors import DliteError
+from dlite_cli.core.processes import free_port, started
 from dlite_cli.decoding.engine import Engine, stop_tokens_and_text
 from dlite_cli.decoding.methods import known_method, load_proposer, parse_method
 from dlite_cli.decoding.proposers.base import ProposerSetup
@@ -282,19 +282,9 @@ def alive(pid: int) -> bool:
 
 def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup_and_its_engine_dies_with_it(cache_dir, drafter_dir, micro, prompts, tmp_path):
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "dlite_cli", "serve", "--engine", "vllm", *CLI_OPTIONS, "--drafter", f"{drafter_dir}+ngram",
-                                "--port", str(port), "--max-batch", "1", "--max-queue", "0", "--max-tokens", "5"], cwd=tmp_path, stdout=log,
-                               stderr=subprocess.STDOUT, env={**os.environ, "DLITE_CACHE": str(cache_dir)})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(1)
+    argv = [sys.executable, "-m", "dlite_cli", "serve", "--engine", "vllm", *CLI_OPTIONS, "--drafter", f"{drafter_dir}+ngram", "--port", str(port),
+            "--max-batch", "1", "--max-queue", "0", "--max-tokens", "5"]
+    with started(argv, tmp_path / "serve.log", port, {"DLITE_CACHE": str(cache_dir)}, tmp_path) as (url, process):
         body = {"model": "micro", "prompt": prompts[1], "max_tokens": NEW_TOKENS, "temperature": 0}
         served = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
         agent = httpx.post(url + "/v1/chat/completions", json={"model": "micro", "messages": AGENT_MESSAGES, "tools": AGENT_TOOLS, "max_tokens": 4},
@@ -306,7 +296,7 @@ def test_serve_with_vllm_drafts_with_dlite_and_prompt_lookup_and_its_engine_dies
                                                                                  timeout=120), range(3)))
         children = [int(p) for p in os.listdir("/proc") if p.isdigit() and f"\nPPid:\t{process.pid}\n" in status(int(p))]
         assert children and all(map(alive, children))  # vLLM's engine core (and multiprocessing's helpers)
-    finally:  # kill -9: vLLM's engine core waits for its client for ever, and the plugin has it killed when its parent dies
+        # kill -9: vLLM's engine core waits for its client for ever, and the plugin has it killed when its parent dies
         process.kill()
         process.wait(60)
     deadline = time.time() + 30

@@ -33,6 +33,7 @@ from ..core.devices import hardware, resolve_device
 from ..core.errors import DliteError
 from ..core.files import atomic_path, atomic_write_text
 from ..data.workloads import BY_NAME
+from ..decoding.methods import PLAIN
 from ..models.model import FULL_HISTORY, DrafterSpec
 from ..models.targets import target_config
 from ..training.steps import stage_plan
@@ -142,7 +143,7 @@ class Study:
     def bench(self) -> list[dict]:
         """Plain decoding and every Table 5 variant proposing all K tokens, side by side → the measurements."""
         study = self.config.ablations
-        methods = ["ar"] + [v.method(self.dir) for v in self.variants if v.factor in ("base", *TABLE5_FACTORS)]
+        methods = [PLAIN] + [v.method(self.dir) for v in self.variants if v.factor in ("base", *TABLE5_FACTORS)]
         plan = BenchPlan("table5", study.workloads, methods, study.limit, study.max_new_tokens, 0.0, [], {})
         return Bench(self.config, self.dir, plan, self.log).run()
 

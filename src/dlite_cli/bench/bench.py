@@ -48,9 +48,9 @@ from ..core.memory import MemoryPlan, checked, device_memory
 from ..core.progress import progress_bar
 from ..data.workloads import BY_NAME, Episode, Unavailable, episode_key, load, select
 from ..decoding.checkpoints import drafter_origin
-from ..decoding.decoding_plan import bench_plan
+from ..decoding.decoding_plan import bench_plan, verify_tokens
 from ..decoding.engine import Engine, proposer_setup, stop_tokens_and_text
-from ..decoding.methods import VLLM_PREFIX, checkpoint_of, known_method, load_proposer, parse_method
+from ..decoding.methods import FASTEST_PLAIN, PLAIN, VLLM_PREFIX, checkpoint_of, known_method, load_proposer, parse_method
 from ..decoding.proposers.suffix import suffix_part
 from ..decoding.requests import Request, SamplingParams
 from ..models.chat import chat_prompt_ids
@@ -59,10 +59,6 @@ from ..models.runner import TargetRunner, decode_path, pass_width
 from ..models.targets import Work, load_target, prepare_target, target_config
 from .report import PLOTS, write_report
 
-# Plain decoding at its fastest here (one token a pass, eager on a CPU, CUDA graphs on a GPU), measured beside
-# "ar" when the methods share passes K + 1 wide (a lower precision: see runner.pass_width): speedups are
-# taken against the faster of the two, greedy texts compared with "ar", which computes what the others do.
-FASTEST_AR = "ar:fastest"
 THROUGHPUT_WORKLOADS = ("humaneval", "sharegpt", "mt_bench")  # the first available one feeds the concurrency sweep
 
 
@@ -126,7 +122,7 @@ class Bench:
         model, self.tokenizer, target = load_target(self.config.target, self.log, Work.decoding(self.config))
         decode = self.config.decode
         self.path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
-        width = pass_width(self.config.drafter.draft_tokens, model.dtype, self.path, decode.identical_text)
+        width = pass_width(verify_tokens(self.config), model.dtype, self.path, decode.identical_text)
         recorded = {"plan": dataclasses.asdict(self.plan), "decode": dataclasses.asdict(self.config.decode),
                     "draft_tokens": self.config.drafter.draft_tokens, "decode_path": self.path}
         digest = config_hash(recorded, target.fingerprint)
@@ -202,8 +198,8 @@ class Bench:
         unavailable, proposers = {}, {}
         methods = list(self.plan.methods)
         for method in methods:  # a method measured in dlite's engine instead of vLLM joins the list as it goes
-            if method == "ar" and (width > 1 or self.path != self.fastest_path):
-                methods.append(FASTEST_AR)
+            if method == PLAIN and (width > 1 or self.path != self.fastest_path):
+                methods.append(FASTEST_PLAIN)
             try:
                 if parse_method(method).in_vllm:
                     self._load_vllm(method, model)
@@ -225,7 +221,7 @@ class Bench:
         if method not in self.plan.moved_to_vllm or local in methods:
             return []
         unavailable[method] += f"; measured in dlite's engine as {local}"
-        return [local] + (["ar"] if "ar" not in methods else [])
+        return [local] + ([PLAIN] if PLAIN not in methods else [])
 
     def _load_proposer(self, name: str, model):
         """The proposer of a method in dlite's engine (decoding/methods.py), labelled and keyed by its checkpoint."""
@@ -247,7 +243,7 @@ class Bench:
         shared = next((tuple(p.target_layers) for p in proposers.values() if p.target_layers), ())
         runners = {}
         for method, proposer in proposers.items():
-            if method == FASTEST_AR:
+            if method == FASTEST_PLAIN:
                 runner = TargetRunner(model, [], 1, capacity, chunk, self.fastest_path)
                 self.engines[method] = Engine(runner, proposer, eos, detokenize)
                 continue
@@ -396,7 +392,7 @@ class Bench:
         for level in self.plan.concurrency:
             batch = [prompts[i % len(prompts)] for i in range(2 * level)]  # every slot serves two requests
             for method, engine in self.engines.items():
-                if method == FASTEST_AR:
+                if method == FASTEST_PLAIN:
                     continue
                 key = self._key(method=method, drafter=self.fingerprints[method], workload=source, concurrency=level,
                                 texts=[episode_key(e) for e in items], max_new_tokens=self.plan.max_new_tokens, temperature=self.plan.temperature,
@@ -510,5 +506,5 @@ def engine_methods(names: list[str], compare: list[str], engine: str, log=print)
     elif compare:
         log(f"bench.compare's methods are not measured in vLLM: it is not installed ({VLLM_INSTALL})")
     engines = {parse_method(n).in_vllm for n in methods}
-    plain = [m for m in ("ar", VLLM_PREFIX + "ar") if parse_method(m).in_vllm in engines]
+    plain = [m for m in (PLAIN, VLLM_PREFIX + PLAIN) if parse_method(m).in_vllm in engines]
     return list(dict.fromkeys(methods + plain)), moved

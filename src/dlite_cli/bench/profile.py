@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.artifacts import PAPER_TRAINING
 from ..core.config import Config
 from ..core.devices import hardware, median_ms, resolve_device
 from ..core.errors import DliteError
@@ -32,9 +33,9 @@ from ..core.memory import GB, HEADROOM, MemoryPlan, device_memory, kv_bytes_per_
 from ..core.progress import progress_bar
 from ..data.hub import is_hub_id
 from ..decoding.engine import Engine
-from ..decoding.proposers.dlite import DLiteAdapter
-from ..decoding.proposers.history import HistoryAdapter
-from ..decoding.proposers.model import draft_dtype
+from ..decoding.methods import model_proposer
+from ..decoding.proposers.base import ProposerSetup
+from ..decoding.proposers.model import ModelDrafter, draft_dtype
 from ..decoding.proposers.none import NoDrafter
 from ..decoding.requests import Request, SamplingParams
 from ..models.linears import linear_bytes, target_linears
@@ -49,7 +50,6 @@ from .report import paper_results
 
 COPY_BYTES = 1 << 28  # the buffer the device's copy bandwidth is measured with
 OVERHEAD_TOKENS = 24  # decoded at batch 1 to measure the engine's host time per round
-TRAIN_STAGES = ("train-teacher", "warmup", "stable")  # timed; each plan of memory.TRAINING_STAGES is printed
 
 
 @dataclasses.dataclass
@@ -115,7 +115,7 @@ class Profiler:
         self.arch = architecture(config)
         self.capacity = device_memory(self.device)
         self.memory = stage_plans(config, self.arch, self.device.type, self.capacity)
-        too_big = [p for p in self.memory if p.stage in TRAIN_STAGES and not p.fits(self.capacity)]
+        too_big = [p for p in self.memory if p.stage in PAPER_TRAINING and not p.fits(self.capacity)]
         self.training_skipped = (f"{too_big[0].describe()}, more than {HEADROOM:.0%} of the {size(self.capacity)} free here"
                                  if too_big and plan.train_steps else None)
         self.model = self._target(config, log)
@@ -153,8 +153,8 @@ class Profiler:
                   "kv_bytes_per_token": self.target_kv,
                   "copy_bandwidth_gbs": round(copy_bandwidth(self.device) / 1e9, 1), "passes": [], "drafts": [], "skipped": [],
                   "memory": {"free_bytes": self.capacity, "plans": [p.as_dict() for p in self.memory]}}
-        dlite = DLiteAdapter(Drafter(self.spec).to(self.device, self.draft_dtype).eval(), self.model.get_input_embeddings(), "dlite",
-                             graphs=self.path == "graphs")
+        dlite = model_proposer(Drafter(self.spec).to(self.device, self.draft_dtype).eval(), self.model.get_input_embeddings(), "dlite",
+                               self._setup())
         teacher_spec = dataclasses.replace(self.spec, history_window=FULL_HISTORY)
         teacher = Drafter(teacher_spec).to(self.device, self.draft_dtype).eval()
         combos = [(b, c) for b in self.plan.batches for c in self.plan.contexts]
@@ -187,6 +187,10 @@ class Profiler:
         result["skipped"].append({"batch": batch, "context": context, "reason": f"needs {size(need)} of KV cache, {size(free)} free"})
         return False
 
+    def _setup(self, capacity: int = 0) -> ProposerSetup:
+        """What a drafter proposer is built with here: the config's K, this decode path, a history of ``capacity``."""
+        return ProposerSetup(self.k, self.config.suffix, capacity=capacity, path=self.path)
+
     def _release(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -202,18 +206,18 @@ class Profiler:
                                      "achieved_gbs": round(bytes_per_step / ms / 1e6, 1),
                                      "floor_ms": round(1000 * bytes_per_step / (result["copy_bandwidth_gbs"] * 1e9), 3)})
 
-    def _drafts(self, batch: int, context: int, dlite: DLiteAdapter, teacher: Drafter, result: dict) -> None:
+    def _drafts(self, batch: int, context: int, dlite: ModelDrafter, teacher: Drafter, result: dict) -> None:
         S, H = len(self.spec.target_layer_ids), self.spec.hidden_size
         rows = fake_rows(batch, context, S, H, self.device, self.draft_dtype)
         dlite_ms = median_ms(lambda: dlite.propose(rows, greedy_pick), self.plan.repeats, self.device)
-        history = HistoryAdapter(teacher, self.model.get_input_embeddings(), "history", capacity=context + self.k + 2)
+        history = model_proposer(teacher, self.model.get_input_embeddings(), "history", self._setup(capacity=context + self.k + 2))
         for row in rows:
             history.begin(row, torch.randn(context, S, H, device=self.device, dtype=self.draft_dtype))
         teacher_ms = median_ms(lambda: history.propose(rows, greedy_pick), self.plan.repeats, self.device)
         result["drafts"].append({"batch": batch, "context": context, "dlite_ms": round(dlite_ms, 3), "teacher_ms": round(teacher_ms, 3),
                                  "teacher_kv_bytes": sum(history.kv_bytes(row) for row in rows)})
 
-    def _overhead(self, dlite: DLiteAdapter) -> dict:
+    def _overhead(self, dlite: ModelDrafter) -> dict:
         """Draft, verify and host time per round of a real decode at batch 1 (random weights accept nothing)."""
         context = min(self.plan.contexts)
         runner = TargetRunner(self.model, self.spec.target_layer_ids, 1, context + 2 * OVERHEAD_TOKENS + self.k, path=self.path)
@@ -225,14 +229,14 @@ class Profiler:
         return {"context": context, "rounds": stats["rounds"], "draft_ms": stats["draft_ms_per_round"],
                 "verify_ms": stats["verify_ms_per_round"], "overhead_ms": stats["overhead_ms_per_round"]}
 
-    def _empty_rounds(self, dlite: DLiteAdapter) -> dict:
+    def _empty_rounds(self, dlite: ModelDrafter) -> dict:
         """ms per generated token at batch 1 of plain decoding and of adaptive DLite, whose random weights are accepted
         so rarely that, once it has seen a request (the first, a warm-up), it proposes only where a wider pass costs
         (nearly) nothing more, and DLite's tokens proposed a round.
         The two decode the same prompt in turn, ``repeats`` requests each: the median request."""
         context = min(self.plan.contexts)
         prompt = torch.randint(self.arch.vocab_size, (context,)).tolist()
-        adaptive = DLiteAdapter(dlite.drafter, dlite.embed, "dlite", graphs=dlite.graphs.enabled)
+        adaptive = model_proposer(dlite.drafter, dlite.embed, "dlite", self._setup())
         engines = {}
         for name, drafter in (("plain", NoDrafter()), ("dlite", adaptive)):
             runner = TargetRunner(self.model, drafter.target_layers, 1, context + 2 * OVERHEAD_TOKENS + self.k, path=self.path)
@@ -273,7 +277,7 @@ class Profiler:
         train, out = self.config.train, []
         embed = self.model.get_input_embeddings()
         sequences, teacher = synthetic_sequences(self.spec, train), None
-        for name in TRAIN_STAGES:
+        for name in PAPER_TRAINING:
             plan = stage_plan(name, train)
             seconds, drafter = step_seconds(plan, train, self.spec, embed, sequences, self.device, self.mixed_precision, self.plan.train_steps, teacher)
             out.append(self._rate(name, seconds, sequences))

@@ -92,9 +92,7 @@ def _add_turn(group: dict, turn: dict) -> None:
 def _baseline(groups: dict[tuple[str, str], dict], workload: str, method: str) -> dict | None:
     """The fastest plain decoding measured on ``workload`` in the method's engine: ar, or ar:fastest where the methods'
     passes are padded; vllm:ar for a method run in vLLM.  None where none was."""
-    parsed = parse_method(method)
-    engine_plain = (parsed.plain,) if parsed.in_vllm else ("ar", "ar:fastest")
-    plain = [groups[workload, m] for m in engine_plain if (workload, m) in groups and groups[workload, m]["tokens"]]
+    plain = [groups[workload, m] for m in parse_method(method).plain_decodings if (workload, m) in groups and groups[workload, m]["tokens"]]
     return min(plain, key=lambda a: a["decode_s"] / a["tokens"], default=None)
 
 
@@ -173,7 +171,7 @@ def within_workload_by_context(results: list[dict]) -> dict[tuple[str, str, int]
     for the methods that draft, workloads in the registry's order.  Content and context are not confounded here as in
     the pooled τ vs context: each workload's turns are binned apart."""
     cells = {key: cell for key, cell in by_context(results).items()
-             if BY_NAME[key[0]].suite in ("long", "agentic") and parse_method(key[1]).drafter != "none"}
+             if BY_NAME[key[0]].suite in ("long", "agentic") and not parse_method(key[1]).is_plain}
     return dict(sorted(cells.items(), key=lambda item: (list(BY_NAME).index(item[0][0]), item[0][1], item[0][2])))
 
 
@@ -290,7 +288,7 @@ def paper_hardware(setup: dict) -> str:
 def throughput_table(throughput: list[dict], stats: dict, target: str, hardware: str, paper: dict) -> Table:
     """Table 4: each method's tokens/s at each concurrency, its speedup against its engine's plain decoding; the paper's rows."""
     table = Table("table4_throughput", "Table 4: throughput vs concurrency", ROW_KEYS + ["workload", "concurrency", "tokens/s", "speedup"])
-    plain = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in throughput if r["method"] in ("ar", "vllm:ar")}
+    plain = {(r["method"], r["concurrency"]): r["tokens_per_s"] for r in throughput if r["method"] == parse_method(r["method"]).plain}
     for r in throughput:
         baseline = plain.get((parse_method(r["method"]).plain, r["concurrency"]))
         speedup = r["tokens_per_s"] / baseline if baseline else None

@@ -22,15 +22,10 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +35,7 @@ from ..core.artifacts import Stage, fingerprint_dir
 from ..core.config import Config, config_hash
 from ..core.devices import hardware, resolve_device
 from ..core.errors import DliteError
+from ..core.processes import free_port, started
 from ..core.progress import progress_bar
 from ..data.workloads import Episode, Unavailable, episode_key, load, select
 from ..decoding.methods import checkpoint_of, known_method, parse_method
@@ -49,7 +45,6 @@ from .bench import append_line, read_lines
 from .report import Table, speedup_interval
 
 EPISODES_READ = 64  # episodes read per workload to find those with enough turns
-START_TIMEOUT_S = 600  # a server that answers no /health by then has failed (vLLM compiles at start-up)
 RETRIES = 2  # a turn whose connection failed is sent again this many times before it counts as failed
 CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError, httpx.WriteError)
 
@@ -181,48 +176,12 @@ def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: i
 # ---------------------------------------------------------------- dlite's servers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], port: int) -> list[str]:
+def dlite_serve_argv(method: str, target: str, run_dir: Path, overrides: list[str], port: int) -> list[str]:
     """``dlite serve`` for ``method`` (``vllm:NAME``: NAME in vLLM's server) as a user starts it: its slots, queue and
     context the config's."""
     argv = [sys.executable, "-m", "dlite_cli", "serve", "--target", target, "--run-dir", str(run_dir.resolve()), "--engine", parse_method(method).engine.lower(),
             "--drafter", parse_method(method).drafter_option, "--port", str(port)]
     return argv + [a for o in overrides for a in ("--set", o)]
-
-
-@contextmanager
-def started(argv: list[str], log_path: Path, port: int) -> Iterator[str]:
-    """Run a server (its output to ``log_path``) until it answers /health → its URL; stopped on the way out."""
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                tail = [line for line in log_path.read_text().splitlines() if line.strip()][-1:] or ["no output"]
-                raise DliteError(f"the server stopped at start-up ({tail[0].strip()}); its log: {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise DliteError(f"the server did not answer within {START_TIMEOUT_S} s; its log: {log_path}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 # ---------------------------------------------------------------- the command
@@ -278,9 +237,9 @@ def measure(method: str, level: int, sessions: list[Session], plan: SessionsPlan
     if plan.url:
         return plan.url, run_level(plan.url, sessions, level, plan.max_tokens, method)
     port = free_port()
-    argv = serve_argv(method, target, run_dir, overrides, port)
-    with started(argv, logs / f"serve-{method.replace(':', '-')}-{level}.log", port) as url:
-        return " ".join(["dlite", *argv[3:]]), run_level(url, sessions, level, plan.max_tokens, method)
+    argv = dlite_serve_argv(method, target, run_dir, overrides, port)
+    with started(argv, logs / f"serve-{method.replace(':', '-')}-{level}.log", port) as server:
+        return " ".join(["dlite", *argv[3:]]), run_level(server.url, sessions, level, plan.max_tokens, method)
 
 
 # ---------------------------------------------------------------- the table

@@ -28,7 +28,9 @@ from . import precision
 from .errors import DliteError
 from .files import atomic_write_json, read_json
 
-STAGES = ("regen", "features", "train-teacher", "warmup", "stable", "stable-scratch", "stable-parallel", "bench", "sessions")
+PAPER_TRAINING = ("train-teacher", "warmup", "stable")  # the paper's three training stages, in order
+TRAINING_STAGES = (*PAPER_TRAINING, "stable-scratch", "stable-parallel")  # and the ablations' single-stage drafters
+STAGES = ("regen", "features", *TRAINING_STAGES, "bench", "sessions")  # every stage a run directory holds a folder of
 
 
 @contextmanager

@@ -17,6 +17,14 @@ from .methods import Method, parse_method
 SUFFIX_TREE_BYTES_PER_TOKEN = 260
 
 
+def verify_tokens(config: Config, draft_tokens: int | None = None) -> int:
+    """Tokens in an engine's widest verify pass: K + 1, K the proposer's ``draft_tokens`` (None: the config's
+    ``drafter.draft_tokens``, as before a proposer is loaded), or the config's K where that is wider and
+    ``decode.identical_text`` gives every method, plain decoding too, passes of one width (as the bench's)."""
+    K = config.drafter.draft_tokens if draft_tokens is None else draft_tokens
+    return 1 + (max(K, config.drafter.draft_tokens) if config.decode.identical_text else K)
+
+
 def suffix_tree_bytes(config: Config, slots: int, tokens: int, response_tokens: int) -> int:
     """Host memory suffix decoding's trees may come to: the global tree over ``suffix.max_cached_requests`` responses of
     ``response_tokens`` each, and a tree over each of ``slots`` rows of ``tokens``."""
@@ -55,7 +63,7 @@ def decoding_plan(config: Config, arch, stage: str, slots: int, tokens: int, dev
         parts["4- and 8-bit target weights (where they are)"] = quantized_bytes(target, device_type)
     if suffix_responses and device_type == "cpu":
         parts["suffix trees"] = suffix_tree_bytes(config, slots, tokens, suffix_responses)
-    width = config.drafter.draft_tokens + 1
+    width = verify_tokens(config)
     parts["widest pass's logits"] = slots * width * arch.vocab_size * (dtype.itemsize + 4)  # and as float32 for sampling
     if config.decode.path == "graphs" or (config.decode.path == "auto" and device_type == "cuda"):
         parts["CUDA graph pool"] = slots * width * arch.vocab_size * dtype.itemsize  # the captured passes' logits

@@ -340,7 +340,7 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     ``response_tokens``)."""
     from ..core.devices import resolve_device
     from ..models.targets import Work, load_target, target_config
-    from .decoding_plan import engine_context
+    from .decoding_plan import engine_context, verify_tokens
     from .methods import checkpoint_of, known_drafter, load_proposer
 
     decode, method, slots = config.decode, known_drafter(drafter), slots or config.decode.max_batch
@@ -350,10 +350,8 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     model, tokenizer, _ = load_target(config.target, log, Work.decoding(config))
     path = decode_path(decode.path, model.device, model.dtype, decode.identical_text)
     proposer = load_proposer(method, directory, proposer_setup(config, model, capacity, path, log))
-    # identical text: every method's passes as wide as the widest's (the config's K, as the bench's), plain decoding's too
-    shared = max(proposer.draft_tokens, config.drafter.draft_tokens) if decode.identical_text else proposer.draft_tokens
     runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path,
-                          pass_width(shared, model.dtype, path, decode.identical_text))
+                          pass_width(verify_tokens(config, proposer.draft_tokens), model.dtype, path, decode.identical_text))
     return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=decode.adaptive and method.adaptive), tokenizer
 
 

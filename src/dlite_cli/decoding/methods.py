@@ -1,6 +1,6 @@
 """Decoding methods by name: the one grammar every command reads, the registry of proposers, and building one.
 
-    [vllm:]DRAFTER[+PAIRING][:fixed]      or ar, ar:fastest (the bench's names for plain decoding)
+    [vllm:]DRAFTER[+PAIRING][:fixed]      or ar, ar:fastest (the bench's names for plain decoding: PLAIN, FASTEST_PLAIN)
 
     DRAFTER    a proposer that loads no checkpoint (:data:`PROPOSERS`: none, ngram, suffix), or a drafter checkpoint:
                dlite, history, parallel, scratch (a stage's export in the run directory), a directory or a hub id
@@ -11,7 +11,7 @@
 
 A name is checked (:func:`known_method`) before anything loads; a known drafter whose stage has not run is refused
 when it is built.  Adding a proposer that loads no checkpoint is its own file in proposers/ and one line in
-:data:`PROPOSERS`.
+:data:`PROPOSERS`; every engine reads the registry (vLLM asks each proposer for its ``vllm_config``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import DliteError
+from ..models.model import Drafter
 from ..models.release import load_drafter
 from .checkpoints import STAGE_OF, is_checkpoint_name, resolve_drafter_path
 from .proposers.base import Proposer, ProposerSetup
@@ -43,7 +44,11 @@ PROPOSERS: dict[str, type[Proposer]] = {
 }
 VLLM_PREFIX = "vllm:"
 FIXED = ":fixed"
-PLAIN = {"ar": "none", "ar:fastest": "none"}  # the bench's names for plain decoding (ar:fastest: one token a pass)
+PLAIN = "ar"  # the bench's name for plain decoding (the drafter none)
+# plain decoding at its fastest here (one token a pass, eager on a CPU, CUDA graphs on a GPU), measured beside PLAIN where
+# the methods share passes K + 1 wide (a lower precision: see runner.pass_width): speedups are taken against the faster
+# of the two, greedy texts compared with PLAIN's, which computes what the others do
+FASTEST_PLAIN = "ar:fastest"
 
 
 def pairings() -> list[str]:
@@ -69,7 +74,16 @@ class Method:
     @property
     def plain(self) -> str:
         """The plain decoding its speedup is taken against: its own engine's."""
-        return VLLM_PREFIX + "ar" if self.in_vllm else "ar"
+        return VLLM_PREFIX + PLAIN if self.in_vllm else PLAIN
+
+    @property
+    def plain_decodings(self) -> tuple[str, ...]:
+        """The plain decodings its speedup may be taken against: its engine's, and in dlite's its fastest too."""
+        return (self.plain,) if self.in_vllm else (PLAIN, FASTEST_PLAIN)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.drafter == "none"
 
     @property
     def local(self) -> str:
@@ -99,7 +113,7 @@ class Method:
 def parse_method(name: str) -> Method:
     """``name`` read by the grammar (see the module's docstring), unchecked: :func:`known_method` checks it."""
     rest = name.removeprefix(VLLM_PREFIX)
-    rest = PLAIN.get(rest, rest)
+    rest = "none" if rest in (PLAIN, FASTEST_PLAIN) else rest
     adaptive = not rest.endswith(FIXED)
     rest = rest.removesuffix(FIXED)
     drafter, pairing = rest, ""
@@ -117,7 +131,7 @@ def known_method(name: str) -> Method:
         words = ", ".join([*PROPOSERS, *STAGE_OF])
         where = "" if method.drafter == name else f" in {name!r}"
         raise DliteError(f"unknown drafter {method.drafter!r}{where}: expected [vllm:]DRAFTER[+{'|+'.join(pairings())}][:fixed] with DRAFTER one of "
-                         f"{words}, a drafter directory or a hub id (or ar for plain decoding)")
+                         f"{words}, a drafter directory or a hub id (or {PLAIN} for plain decoding)")
     if method.pairing and not method.has_checkpoint:
         raise DliteError(f"{name}: +{method.pairing} pairs a drafter checkpoint ({', '.join(STAGE_OF)}, a directory or a hub id), not {method.drafter}")
     return method
@@ -148,12 +162,18 @@ def load_proposer(method: Method, directory: Path | None, setup: ProposerSetup) 
 
 
 def checkpoint_proposer(directory: Path, label: str, setup: ProposerSetup) -> ModelDrafter:
-    """The checkpoint in ``directory`` as a proposer named ``label``: DLiteAdapter where it keeps no history (W = 0),
-    HistoryAdapter otherwise; run in ``setup.dtype`` (auto: proposers/model.draft_dtype) on the target's device."""
+    """The checkpoint in ``directory`` as a proposer named ``label`` (:func:`model_proposer`), run in ``setup.dtype``
+    (auto: proposers/model.draft_dtype) on the target's device."""
     target = setup.target_model
     drafter = load_drafter(directory, target.config).eval().to(next(target.parameters()).device)
     embed = target.get_input_embeddings()
     drafter.to(dtype=getattr(torch, draft_dtype(setup.dtype, drafter, embed, setup.log)))
+    return model_proposer(drafter, embed, label, setup)
+
+
+def model_proposer(drafter: Drafter, embed, label: str, setup: ProposerSetup) -> ModelDrafter:
+    """``drafter`` (on its device, in its dtype; ``embed`` the target's input embedding) as a proposer named ``label``:
+    DLiteAdapter where it keeps no history (W = 0), HistoryAdapter otherwise (its KV cache up to ``setup.capacity``)."""
     if drafter.spec.history_window != 0:
         return HistoryAdapter(drafter, embed, label, setup.capacity)
     return DLiteAdapter(drafter, embed, label, graphs=setup.path == "graphs")

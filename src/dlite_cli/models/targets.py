@@ -179,7 +179,7 @@ def work_ms(model, work: Work) -> float:
         return runner.pass_costs(list(range(work.batch)), [1], repeats=3)[0]
     K = work.draft_tokens
     path = decode_path(work.path, model.device, model.dtype, work.identical_text)
-    runner = TargetRunner(model, [], 1, COST_CONTEXT + K + 1, path=path, width=pass_width(K, model.dtype, path, work.identical_text))
+    runner = TargetRunner(model, [], 1, COST_CONTEXT + K + 1, path=path, width=pass_width(K + 1, model.dtype, path, work.identical_text))
     runner.commit(0, [0] * COST_CONTEXT)
     return sum(runner.pass_costs([0], work.widths, repeats=5))
 

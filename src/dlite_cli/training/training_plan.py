@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.artifacts import TRAINING_STAGES
 from ..core.config import Config, config_hash
 from ..core.files import atomic_write_text, cache_dir
 from ..core.memory import MIN_CONTEXT, MemoryPlan, fake_mode, module_bytes, most_that_fit, planned_dtype
@@ -22,8 +23,6 @@ from ..models.targets import random_target
 from .features import LayerCapture, target_pass
 from .losses import position_weights
 from .steps import AUTOCAST, stage_batches, stage_loss, stage_plan, synthetic_sequences
-
-TRAINING_STAGES = ("train-teacher", "warmup", "stable", "stable-parallel")
 
 
 def training_plan(config: Config, arch, stage: str, device_type: str, autocast: str | None = None, micro_batch: int | None = None,
@@ -59,7 +58,7 @@ def _traced_training_plan(config: Config, train, arch, stage: str, device_type: 
     with mode:
         target = random_target(arch, planned_dtype(config.target.dtype, device_type), torch.device("cpu"))
         drafter = Drafter(plan.drafter_spec(base_spec))
-        teacher = Drafter(stage_plan(plan.init_from, train).drafter_spec(base_spec)).eval().requires_grad_(False) if plan.loss == "kl" else None
+        teacher = Drafter(stage_plan(plan.init_from, train).drafter_spec(base_spec)).eval().requires_grad_(False) if plan.needs_teacher else None
         optimizer = torch.optim.AdamW(drafter.parameters(), lr=train.lr, foreach=device_type == "cuda")
     parts: dict[str, int] = {}
     counter = module_bytes(target)
@@ -124,7 +123,8 @@ def fitting_micro_batch(config: Config, arch, stage: str, device_type: str, capa
 def stage_plans(config: Config, arch, device_type: str, capacity: int) -> list[MemoryPlan]:
     """Every stage's plan at the config's settings on a device with ``capacity`` bytes free: the training stages,
     the bench, and the server (decode.max_batch rows, the context :func:`engine_context` gives them)."""
-    plans = [training_plan(config, arch, stage, device_type) for stage in TRAINING_STAGES]
+    # stable-scratch trains what stable trains, on the same shapes: its plan is stable's
+    plans = [training_plan(config, arch, stage, device_type) for stage in TRAINING_STAGES if stage != "stable-scratch"]
     bench = config.bench
     plans.append(bench_plan(config, arch, device_type, bench.methods, bench.concurrency, bench.max_new_tokens))
     slots = config.decode.max_batch

@@ -31,8 +31,6 @@ import json
 from ..core.errors import DliteError
 from ..decoding.engines import SUPPORTED_VLLM
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
 
 def is_dlite_drafter(model) -> bool:
     """Whether ``model`` (a speculative config's ``model``) names a DLite checkpoint (dlite's or the release's) as dlite
@@ -78,7 +76,7 @@ def register() -> None:
 
     from .proposer import DLiteProposer
 
-    die_with_parent()
+    die_in_vllms_children()
     config_class = speculative.SpeculativeConfig
     if getattr(config_class, "_dlite_hooked", False):
         return
@@ -131,22 +129,17 @@ def register() -> None:
     fix_cpu_expand()
 
 
-def die_with_parent() -> None:
-    """In a process vLLM started (an engine core, a worker): be killed when the process that started it dies.  vLLM's
-    engine core otherwise waits for its client for ever: a bench or generate killed by a signal, even ``kill -9``,
-    left its engines holding their memory.  Linux only (prctl's PR_SET_PDEATHSIG)."""
-    import ctypes
+def die_in_vllms_children() -> None:
+    """In a process vLLM started (an engine core, a worker), not in the one that started vLLM: be killed when the
+    process that started it dies.  vLLM's engine core otherwise waits for its client for ever: a bench or generate
+    killed by a signal, even ``kill -9``, left its engines holding their memory."""
     import multiprocessing
-    import os
     import signal
-    import sys
 
-    if multiprocessing.parent_process() is None or not sys.platform.startswith("linux"):
-        return
-    parent = multiprocessing.parent_process().pid
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the line above
-        os._exit(1)
+    from ..core.processes import die_with_parent
+
+    if multiprocessing.parent_process() is not None:
+        die_with_parent(signal.SIGKILL, multiprocessing.parent_process().pid)
 
 
 def fix_cpu_expand() -> None:

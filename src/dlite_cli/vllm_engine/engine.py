@@ -24,29 +24,24 @@ from ..core.errors import DliteError
 from ..core.files import atomic_write_text, cache_dir
 from ..decoding.checkpoints import resolve_drafter_path
 from ..decoding.engines import VLLM_INSTALL, DecodingEngine
-from ..decoding.methods import FIXED, Method, known_drafter, pairings
-from ..decoding.proposers.suffix import suffix_cache_class
+from ..decoding.methods import FIXED, PROPOSERS, Method, known_drafter, pairings
+from ..decoding.proposers.suffix import vllm_suffix_fields
 from ..decoding.requests import Request, Stats
 from . import check_version, checked_spec, is_dlite_drafter
 
-NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-
 
 def resolve(method: Method, run_dir: Path, draft_tokens: int, target_config, suffix: SuffixConfig | None = None) -> tuple[Path | None, dict | None]:
-    """A method (plain decoding, ``ngram``, ``suffix``: vLLM's own suffix decoding, or a drafter checkpoint, maybe paired or
+    """A method (a proposer of the registry, which says what vLLM runs for it, or a drafter checkpoint, maybe paired or
     fixed) → its checkpoint directory and vLLM's ``speculative_config`` (suffix decoding with ``suffix``'s settings); what
     vLLM cannot run is refused in one sentence."""
-    if method.drafter == "none":
-        return None, None
-    if method.drafter == "ngram":
-        return None, {**NGRAM, "num_speculative_tokens": draft_tokens}
-    if method.drafter == "suffix":
-        return None, {"method": "suffix", "num_speculative_tokens": draft_tokens, **suffix_fields(suffix)}
+    suffix = suffix or SuffixConfig()
+    if not method.has_checkpoint:
+        return None, PROPOSERS[method.drafter].vllm_config(draft_tokens, suffix)
     directory = resolve_drafter_path(method.drafter, run_dir)
     if is_dlite_drafter(str(directory)):
         checked_spec(str(directory), target_config)
         spec = {"model": dataclasses.replace(method, drafter=str(directory)).drafter_option}  # the plugin reads dlite's names; K: the drafter's own
-        return directory, {**spec, **suffix_fields(suffix)} if method.pairing == "suffix" else spec
+        return directory, {**spec, **vllm_suffix_fields(suffix)} if method.pairing == "suffix" else spec
     if method.pairing or not method.adaptive:
         raise DliteError(f"{method.name}: {', '.join('+' + p for p in pairings())} and {FIXED} pair with DLite drafters; vLLM drafts with {directory} as it does")
     architectures = " ".join(json.loads((directory / "config.json").read_text()).get("architectures", [])).lower()
@@ -54,15 +49,7 @@ def resolve(method: Method, run_dir: Path, draft_tokens: int, target_config, suf
     return directory, {"model": str(directory), "num_speculative_tokens": draft_tokens, **({"method": method_name} if method_name else {})}
 
 
-def suffix_fields(settings: SuffixConfig | None) -> dict:
-    """vLLM's ``speculative_config`` fields for suffix decoding (its own method's, which the plugin's ``DIR+suffix`` reads
-    too), with dlite's settings; arctic-inference must be importable."""
-    suffix_cache_class()  # or the sentence on how to install it
-    settings = settings or SuffixConfig()
-    return {f"suffix_decoding_{field.name}": getattr(settings, field.name) for field in dataclasses.fields(SuffixConfig)}
-
-
-def serve_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
+def vllm_server_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
                max_queue: int, max_context: int | None, max_tokens: int, chat_template: Path | None = None) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
     decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
@@ -206,7 +193,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
     vllm = import_vllm()
     prepared = prepare_target(config.target, log)
     directory, spec = resolve(known_drafter(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
-    argv = serve_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
+    argv = vllm_server_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
                       max_context, max_tokens, tools_template(prepared))
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
     sys.stdout.flush()

@@ -31,9 +31,8 @@ import torch
 
 from ..core.config import SuffixConfig
 from ..decoding.adaptive import VerifyCosts
-from ..decoding.methods import paired, parse_method
+from ..decoding.methods import model_proposer, paired, parse_method
 from ..decoding.proposers.base import ProposerSetup
-from ..decoding.proposers.dlite import DLiteAdapter
 from ..decoding.requests import Request, SamplingParams
 from ..decoding.sampling import SamplingPick, probabilities
 from ..models.model import greedy_pick
@@ -77,10 +76,9 @@ class DLiteProposer:
         parameter = next(target_model.parameters())
         self.drafter.to(device=parameter.device, dtype=parameter.dtype)
         self.final_norm = target_model.model.norm
-        model = DLiteAdapter(self.drafter, target_model.model.embed_tokens, self.name)
-        if self.pairing:
-            model = paired(model, self.pairing, ProposerSetup(model.draft_tokens, self.suffix))
-        self.adapter = model
+        setup = ProposerSetup(self.drafter.spec.draft_tokens, self.suffix)
+        model = model_proposer(self.drafter, target_model.model.embed_tokens, self.name, setup)
+        self.adapter = paired(model, self.pairing, setup) if self.pairing else model
 
     @torch.no_grad()
     def propose(self, runner, sampled_token_ids: list[list[int]], aux_hidden_states: list[torch.Tensor], spec_decode_metadata,

@@ -8,6 +8,7 @@
     kv_bytes(row)                        draft-side KV cache held for the row (0 for DLite)
     adapt(costs)                         propose adaptively from now on (adaptive.py)
     build(setup) (class method)          a new one from a ProposerSetup: what decoding/methods.py's registry calls
+    vllm_config(K, suffix) (class method) vLLM's speculative_config for it, or a one-sentence refusal (the default)
 
 ``row`` is the engine's Request: ``slot``, ``tokens`` (committed ids, the anchor last), ``pivot`` (S, H) target
 features at the position before the anchor, ``anchor`` and ``position`` (its absolute position).  A proposer owns
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from ...core.config import SuffixConfig
+from ...core.errors import DliteError
 from ...models.model import greedy_pick
 from ..adaptive import Candidate, VerifyCosts
 
@@ -62,6 +64,12 @@ class Proposer:
     def build(cls, setup: ProposerSetup) -> Proposer:
         """A new proposer from ``setup``: how the registry (decoding/methods.PROPOSERS) makes one."""
         raise NotImplementedError
+
+    @classmethod
+    def vllm_config(cls, draft_tokens: int, suffix: SuffixConfig) -> dict | None:
+        """vLLM's ``speculative_config`` for this proposer drafting up to ``draft_tokens`` (None: vLLM decodes plainly),
+        with suffix decoding's ``suffix`` settings; refused in one sentence where vLLM has no such method, as here."""
+        raise DliteError(f"vLLM has no speculative method for {cls.name}: decode it in dlite's engine (--engine dlite)")
 
     def adapt(self, costs: VerifyCosts) -> None:
         """Propose adaptively from now on, at the target's verify ``costs`` measured on this machine."""

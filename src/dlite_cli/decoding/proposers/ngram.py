@@ -26,6 +26,11 @@ class NgramDrafter(LookupDrafter):
     def build(cls, setup: ProposerSetup) -> NgramDrafter:
         return cls(setup.draft_tokens)
 
+    @classmethod
+    def vllm_config(cls, draft_tokens: int, suffix) -> dict:
+        """vLLM's n-gram speculator, looking up the same suffix lengths."""
+        return {"method": "ngram", "prompt_lookup_min": min(NGRAM_SIZES), "prompt_lookup_max": max(NGRAM_SIZES), "num_speculative_tokens": draft_tokens}
+
     def continuation(self, row) -> tuple[list[int], list]:
         continuation, n = self._lookup(torch.tensor(row.tokens))
         return continuation.tolist(), [(n, i) for i in range(len(continuation))]

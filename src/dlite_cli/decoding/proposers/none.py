@@ -16,5 +16,9 @@ class NoDrafter(Proposer):
     def build(cls, setup: ProposerSetup) -> NoDrafter:
         return cls()
 
+    @classmethod
+    def vllm_config(cls, draft_tokens: int, suffix) -> None:
+        return None
+
     def propose(self, rows, pick) -> Draft:
         return Draft(torch.zeros(len(rows), 0, dtype=torch.long), [0] * len(rows), None)

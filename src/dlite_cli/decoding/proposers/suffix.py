@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...core.config import SuffixConfig
 from ...core.errors import DliteError
 from ..adaptive import Calibration
@@ -31,6 +33,11 @@ class SuffixDrafter(LookupDrafter):
     @classmethod
     def build(cls, setup: ProposerSetup) -> SuffixDrafter:
         return cls(setup.draft_tokens, setup.suffix)
+
+    @classmethod
+    def vllm_config(cls, draft_tokens: int, suffix: SuffixConfig) -> dict:
+        """vLLM's own suffix decoding, with dlite's settings."""
+        return {"method": "suffix", "num_speculative_tokens": draft_tokens, **vllm_suffix_fields(suffix)}
 
     def begin(self, row, prompt_features) -> None:
         self.cache.start_request(self.started, row.prompt_ids)
@@ -86,3 +93,10 @@ def suffix_cache(settings: SuffixConfig):
     """A new suffix-decoding cache (no trees yet) with ``settings``."""
     return suffix_cache_class()(settings.max_tree_depth, settings.max_cached_requests)
 
+
+
+def vllm_suffix_fields(settings: SuffixConfig) -> dict:
+    """vLLM's ``speculative_config`` fields for suffix decoding (its own method's, which dlite's plugin reads for
+    ``DIR+suffix`` too) with ``settings``; arctic-inference must be importable."""
+    suffix_cache_class()  # or the sentence on how to install it
+    return {f"suffix_decoding_{field.name}": getattr(settings, field.name) for field in dataclasses.fields(SuffixConfig)}
