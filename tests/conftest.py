@@ -1,5 +1,5 @@
 """Shared fixtures and helpers: an isolated dlite cache, the CLI run in this process, one trained micro run for the
-session, a χ² test, weights as a GGUF file's dequantise."""
+session, a χ² test, weights as a GGUF file's dequantise; with DLITE_TEST_TIMEOUT set, a time limit on each test."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import io
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -23,6 +24,28 @@ from dlite_cli.core.devices import resolve_device
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = resolve_device("auto")  # the device policy's choice: tests run there unless they say they need the CPU
+TEST_TIMEOUT = float(os.environ.get("DLITE_TEST_TIMEOUT", 0))  # seconds per test (make gpu-check); unset: no limit
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """With DLITE_TEST_TIMEOUT set, a test still running after that many seconds (its call; not its fixtures' setup)
+    fails and the run goes on to the next: SIGALRM's handler fails it at the next Python instruction, so a call into C
+    that is under way ends first."""
+    if not TEST_TIMEOUT:
+        yield
+        return
+
+    def stop(signum, frame):
+        pytest.fail(f"timed out after {TEST_TIMEOUT:g} s (DLITE_TEST_TIMEOUT)", pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")
