@@ -5,8 +5,9 @@ One round, for the B active rows (each row is a Request):
     draft    the proposer proposes up to K tokens d_1..d_K after each row's anchor (proposers/)
     verify   the target runs [anchor, d_1..d_L] of every row in one batched pass (runner.py)
     accept   greedy: the longest prefix equal to the target's argmax, plus the target's next token;
-             sampling: speculative rejection sampling, so the output is distributed exactly as the
-             target's own samples.  Each row keeps its own count n; its KV cache is cut back to the
+             sampling: the longest prefix equal to the target's own draws, seeded by (seed, position), plus
+             its next draw (sampling.py): exactly the target's samples, the same for a seed whatever was
+             proposed.  Each row keeps its own count n; its KV cache is cut back to the
              accepted length, the target state at the last accepted position becomes the new pivot
              and the target's extra token the new anchor.
 
@@ -32,7 +33,7 @@ from ..models.runner import TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 from .engines import DecodingEngine
 from .requests import OutputText, Request, Stats
-from .sampling import SamplingPick, accept_greedy, accept_sampled, probabilities, sample
+from .sampling import accept_greedy, accept_sampled, draw
 
 
 class RoundClock:
@@ -98,8 +99,7 @@ class Engine(DecodingEngine):
         """Queue a request (validated first)."""
         self.validate(request)
         request.stats = Stats(self.drafter.draft_tokens, prompt_tokens=len(request.prompt_ids))
-        seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
-        request.generator = torch.Generator().manual_seed(seed)
+        request.seed = request.params.seed if request.params.seed is not None else random.randrange(2**63)
         request.output_text = OutputText(self.detokenize)
         self.waiting.append(request)
 
@@ -176,7 +176,7 @@ class Engine(DecodingEngine):
             logits, features, reused = request.prefill.result()
             request.prefill = None
             self.prefilling.popleft()
-            first = int(logits.argmax()) if request.params.greedy else sample(probabilities(logits, request.params), request.generator)
+            first = int(logits.argmax()) if request.params.greedy else draw(logits, request.params, request.seed, 0)
             request.pivot = features[-1]
             self.active.append(request)
             self.drafter.begin(request, features)
@@ -205,7 +205,7 @@ class Engine(DecodingEngine):
     def _draft(self, rows: list[Request]):
         """The drafter's proposals for the B rows (proposers.base.Draft), and tokens (B, 1 + width) to verify: each row's
         anchor, then its drafts, padded to the longest (the static path pads the pass to its fixed width anyway)."""
-        draft = self.drafter.propose(rows, self._picker(rows))
+        draft = self.drafter.propose(rows, greedy_pick)  # a sampling row keeps a proposal equal to its draw: its likeliest
         width = max(draft.lengths)
         anchors = torch.tensor([[row.anchor] for row in rows], device=self.runner.device)
         return draft, torch.cat([anchors, draft.tokens[:, :width].to(self.runner.device)], dim=1)
@@ -223,7 +223,7 @@ class Engine(DecodingEngine):
 
     def _accept(self, rows: list[Request], draft, tokens: torch.Tensor, verified) -> list[tuple[int, list[int]]]:
         """Each row's accepted drafts n and the tokens it emits (those n drafts, then the target's next token), from
-        tokens (B, 1 + width) and the verify pass: greedy rows all at once, sampled rows by rejection sampling.  The
+        tokens (B, 1 + width) and the verify pass: greedy rows all at once, sampled rows by the target's draws.  The
         drafter observes each outcome and the runner commits each row's anchor and accepted drafts."""
         logits, _, index = verified
         lengths = torch.tensor(draft.lengths, device=self.runner.device)
@@ -235,8 +235,7 @@ class Engine(DecodingEngine):
             n, next_token = read[b][0], read[b][1]
             if not row.params.greedy:
                 L = draft.lengths[b]
-                draft_logits = draft.logits[b, :L] if draft.logits is not None else None
-                n, next_token = accept_sampled(logits[index[b], : L + 1], tokens[b, 1 : L + 1], draft_logits, row.params, row.generator)
+                n, next_token = accept_sampled(logits[index[b], : L + 1], read[b][3 : 3 + L], row.params, row.seed, len(row.output_ids))
             outcomes.append((n, read[b][3 : 3 + n] + [next_token]))
             self.drafter.observe(row, n, next_token if row.params.greedy else None)
             self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
@@ -279,10 +278,6 @@ class Engine(DecodingEngine):
             stats.verify_seconds += clock.verify
             stats.overhead_seconds += clock.overhead
             stats.capture_seconds += clock.captured
-
-    def _picker(self, rows: list[Request]):
-        """How the drafter chooses each proposal: argmax if every row is greedy, else a :class:`SamplingPick`."""
-        return greedy_pick if all(row.params.greedy for row in rows) else SamplingPick(rows)
 
     def _emit(self, request: Request, tokens: list[int]) -> None:
         """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""

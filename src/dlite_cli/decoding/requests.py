@@ -98,7 +98,8 @@ class Request:
     output_text: OutputText | None = None  # the text of output_ids so far, as they arrive
     slot: int = -1
     pivot: torch.Tensor | None = None  # (S, H) target features at the position before the anchor
-    generator: torch.Generator | None = None
+    seed: int = 0  # its sampled tokens' seed in dlite's engine: params.seed, else a random one (sampling.draw)
+    generator: torch.Generator | None = None  # in vLLM's proposer: a sampling row's proposals are drawn from q with it
     prefill: Prefill | None = None  # while its prompt is being prefilled
 
     @property

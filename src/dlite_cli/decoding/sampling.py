@@ -1,6 +1,15 @@
-"""The sampling math of speculative decoding: the distribution a row samples from, and accepting a round's
-proposals, greedy (the longest prefix equal to the target's argmax) or by speculative rejection sampling, which keeps
-the output distributed exactly as the target's own samples."""
+"""The sampling math of speculative decoding: the distribution a row samples from, and accepting a round's proposals.
+
+Greedy, a proposal is kept while it equals the target's argmax.  Sampling, the target draws its token at each position
+of the pass from its own distribution there, with randomness that depends on the request's seed and the position alone
+(:func:`draw`), and a proposal is kept exactly when it equals the target's draw.  Every token written is then the
+target's own sample given the text before it, so the output is distributed exactly as plain sampling's; and since no
+draw depends on what was proposed, or on which rows shared the pass, the same seed writes the same text whatever the
+method, drafter, batch or proposals (up to the rounding that also lets greedy texts differ below float32).  The cost:
+a proposal is kept with the target's probability of it, p(d), where rejection sampling of a proposal drawn from the
+drafter's q keeps it with 1 − TV(p, q); drafters therefore propose their argmax for sampling rows too.
+
+vLLM's rejection sampler verifies its own way: :class:`SamplingPick` draws dlite's proposals from q for it."""
 
 from __future__ import annotations
 
@@ -31,30 +40,22 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Where to sample after rejecting a draft: norm(max(p − q, 0)) (p, q (V,))."""
-    residual = (p - q).clamp(min=0)
-    total = residual.sum()
-    return residual / total if total > 0 else p
+def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """logits (V,) → the token a sampling request with ``seed`` draws at output ``position`` (0: its first token): a
+    sample of its distribution there (:func:`probabilities`) with a generator seeded by (seed, position) alone."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) % 2**64)
+    return sample(probabilities(logits, params), generator)
 
 
-def accept_sampled(target_logits, drafts, draft_logits, params, generator) -> tuple[int, int]:
-    """Speculative rejection sampling for one row.
-
-    target_logits (L+1, V); drafts (L,); draft_logits (L, V) or None for certain proposals.
-    Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the
-    next token comes from the residual; if all L are kept, from p_{L+1}.  → (accepted n, next token).
-    """
-    p = probabilities(target_logits.cpu(), params)
-    if draft_logits is None:
-        q = torch.nn.functional.one_hot(drafts.cpu(), p.shape[-1]).float()
-    else:
-        q = probabilities(draft_logits.cpu(), params)
-    for i, token in enumerate(drafts.tolist()):
-        if torch.rand((), generator=generator) * q[i, token] < p[i, token]:
-            continue
-        return i, sample(residual_distribution(p[i], q[i]), generator)
-    return len(drafts), sample(p[len(drafts)], generator)
+def accept_sampled(target_logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed: int, start: int) -> tuple[int, int]:
+    """One sampling row's round: target_logits (L+1, V) at output positions start .. start + L, drafts (L,) →
+    (accepted n, the next token): the target draws at each position in turn (:func:`draw`) and a draft is kept while
+    it equals the draw; the first draw that differs, or the one after the last draft, is the next token."""
+    for i, logits in enumerate(target_logits):
+        token = draw(logits, params, seed, start + i)
+        if i == len(drafts) or token != drafts[i]:
+            return i, token
+    raise ValueError("target_logits must hold one position more than drafts")
 
 
 def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +68,10 @@ def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tens
 
 @dataclass
 class SamplingPick:
-    """A drafter's choice of each proposal for ``rows``: logits (B, V), row b of them ``rows[b]``'s → (B,) a sample
-    from the tempered/top-k/top-p distribution the target will use for that row, with its generator (argmax for a
-    greedy row).  A drafter that drafts only some rows picks for them with :meth:`subset`."""
+    """A drafter's choice of each proposal for ``rows`` in vLLM (whose rejection sampler reads q): logits (B, V), row b
+    of them ``rows[b]``'s → (B,) a sample from the tempered/top-k/top-p distribution the target will use for that row,
+    with its generator (argmax for a greedy row).  A drafter that drafts only some rows picks for them with
+    :meth:`subset`."""
 
     rows: list
 

@@ -76,7 +76,7 @@ class Proposer:
         self.costs = costs
 
     def propose(self, rows, pick) -> Draft:
-        """Up to K proposals for each of ``rows``; ``pick`` chooses a proposal from logits (greedy_pick, or the engine's SamplingPick)."""
+        """Up to K proposals for each of ``rows``; ``pick`` chooses a proposal from logits (greedy_pick, or vLLM's sampling.SamplingPick)."""
         raise NotImplementedError
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
@@ -104,7 +104,7 @@ def cut(candidates: list[Candidate], length: int) -> None:
 
 
 def for_rows(pick, indices: list[int]):
-    """``pick`` (greedy_pick, or the engine's SamplingPick for all the round's rows) for the rows ``indices`` alone:
+    """``pick`` (greedy_pick, or vLLM's sampling.SamplingPick for all the round's rows) for the rows ``indices`` alone:
     a sampling row's proposals are drawn with its own parameters and generator, whichever rows are drafted."""
     return pick if pick is greedy_pick else pick.subset(indices)
 
