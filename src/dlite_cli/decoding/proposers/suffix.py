@@ -94,7 +94,6 @@ def suffix_cache(settings: SuffixConfig):
     return suffix_cache_class()(settings.max_tree_depth, settings.max_cached_requests)
 
 
-
 def vllm_suffix_fields(settings: SuffixConfig) -> dict:
     """vLLM's ``speculative_config`` fields for suffix decoding (its own method's, which dlite's plugin reads for
     ``DIR+suffix`` too) with ``settings``; arctic-inference must be importable."""
