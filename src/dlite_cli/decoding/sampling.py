@@ -51,11 +51,11 @@ def accept_sampled(target_logits: torch.Tensor, drafts: list[int], params: Sampl
     """One sampling row's round: target_logits (L+1, V) at output positions start .. start + L, drafts (L,) →
     (accepted n, the next token): the target draws at each position in turn (:func:`draw`) and a draft is kept while
     it equals the draw; the first draw that differs, or the one after the last draft, is the next token."""
-    for i, logits in enumerate(target_logits):
-        token = draw(logits, params, seed, start + i)
-        if i == len(drafts) or token != drafts[i]:
+    for i, proposed in enumerate(drafts):
+        token = draw(target_logits[i], params, seed, start + i)
+        if token != proposed:
             return i, token
-    raise ValueError("target_logits must hold one position more than drafts")
+    return len(drafts), draw(target_logits[len(drafts)], params, seed, start + len(drafts))
 
 
 def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
