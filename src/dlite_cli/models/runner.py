@@ -54,9 +54,10 @@ def decode_path(setting: str, device: torch.device, dtype: torch.dtype, identica
 def pass_width(widest: int, dtype: torch.dtype, path: str, identical_text: bool = False) -> int:
     """The fewest tokens in a decode pass: as many as the pass has (a step is 1 token), but the ``widest`` pass's
     (K + 1: decoding_plan.verify_tokens) below float32 where shapes are fixed: CUDA graphs (a graph per batch bucket,
-    where a wider pass costs about the same), or ``identical_text``.  A lower precision's matmuls and attention round by shape, so only passes of one width on the
-    static path compute a position alike in plain decoding and under every drafter, and give them the same greedy
-    text; otherwise their texts agree up to rounding, as in vLLM and SGLang.  On a CPU the width costs: a bfloat16
+    where a wider pass costs about the same), or ``identical_text``.  A lower precision's matmuls and attention round
+    by shape, so only passes of one width on the static path compute a position alike in plain decoding and under
+    every drafter, and give them the same greedy text; otherwise their texts agree up to rounding, as in vLLM and
+    SGLang.  On a CPU the width costs: a bfloat16
     pass of 8 tokens took 1.3-2.1x a step on a 2-core AVX-512 EPYC."""
     if dtype == torch.float32 or not (path == "graphs" or identical_text):
         return 1

@@ -50,7 +50,7 @@ def resolve(method: Method, run_dir: Path, draft_tokens: int, target_config, suf
 
 
 def vllm_server_argv(target_dir: str, name: str, spec: dict | None, settings, dtype: str, host: str, port: int, max_batch: int,
-               max_queue: int, max_context: int | None, max_tokens: int, chat_template: Path | None = None) -> list[str]:
+                     max_queue: int, max_context: int | None, max_tokens: int, chat_template: Path | None = None) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
     decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
     names none, cached prompt tokens in each reply's usage, and tool calls read out of the output in the Hermes format
@@ -194,7 +194,7 @@ def serve_vllm(config, run_dir: Path, drafter: str, host: str, port: int, max_ba
     prepared = prepare_target(config.target, log)
     directory, spec = resolve(known_drafter(drafter), run_dir, config.drafter.draft_tokens, load_target_config(prepared), config.suffix)
     argv = vllm_server_argv(prepared.path, config.name, spec, config.vllm, decoding_dtype(config, log), host, port, max_batch, max_queue,
-                      max_context, max_tokens, tools_template(prepared))
+                            max_context, max_tokens, tools_template(prepared))
     log(f"serving {config.name} with vLLM {vllm.__version__}, drafter {directory or drafter}, on http://{host}:{port}/v1")
     sys.stdout.flush()
     os.execv(sys.executable, argv)
