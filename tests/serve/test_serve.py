@@ -6,9 +6,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 from conftest import AGENT_MESSAGES, AGENT_TOOLS, DEVICE
@@ -114,6 +116,59 @@ def test_sampling_with_a_seed_is_reproducible(client):
     assert runs[0].choices[0].message.content == runs[1].choices[0].message.content
 
 
+def test_n_choices_are_decoded_each_with_its_own_seed_streamed_or_not(client):
+    options = dict(model="micro", messages=CHAT, max_tokens=16, temperature=1.0)
+    both = client.chat.completions.create(**options, seed=3, n=2)
+    texts = [choice.message.content for choice in both.choices]
+    assert [choice.index for choice in both.choices] == [0, 1] and texts[0] != texts[1]
+    assert client.chat.completions.create(**options, seed=4).choices[0].message.content == texts[1]  # choice i: seed + i
+    streamed = list(client.chat.completions.create(**options, seed=3, n=2, stream=True))
+    assert ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i) for i in (0, 1)] == texts
+
+
+MODE_TOOL = {"type": "function", "function": {"name": "set_mode", "description": "Set the mode.", "parameters": {
+    "type": "object", "properties": {"mode": {"enum": ["fast", "slow"]}}, "required": ["mode"], "additionalProperties": False}}}
+
+
+class Mode(pydantic.BaseModel):
+    mode: Literal["fast", "slow"]
+    sure: bool
+
+
+def test_an_enforced_tool_choice_comes_back_as_one_call_of_that_tool_streamed_or_not(client):
+    """The micro target is random: only the grammar makes its reply a call, of the tool named, with valid arguments."""
+    for choice, tools in (({"type": "function", "function": {"name": "set_mode"}}, AGENT_TOOLS + [MODE_TOOL]), ("required", [MODE_TOOL])):
+        options = dict(model="micro", messages=CHAT, tools=tools, tool_choice=choice, max_tokens=200, temperature=0, parallel_tool_calls=False)
+        response = client.chat.completions.create(**options)
+        calls = response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "set_mode"
+        assert json.loads(calls[0].function.arguments)["mode"] in ("fast", "slow")
+        streamed = list(client.chat.completions.create(**options, stream=True))
+        deltas = [call for chunk in streamed if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [("set_mode", calls[0].function.arguments)]
+
+
+def test_a_json_schema_reply_parses_into_the_callers_type(client):
+    """The openai SDK's structured-output helper sends the type's strict schema and parses the reply into it."""
+    for messages in (CHAT, [{"role": "user", "content": "Fast or slow?"}]):
+        response = client.beta.chat.completions.parse(model="micro", messages=messages, response_format=Mode, max_tokens=400, temperature=0)
+        assert isinstance(response.choices[0].message.parsed, Mode)
+
+
+def test_logprobs_are_each_written_tokens_in_chat_and_completions_streamed_or_not(client):
+    options = dict(model="micro", messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(**options)
+    entries = chat.choices[0].logprobs.content
+    assert "".join(entry.token for entry in entries) == chat.choices[0].message.content and len(entries) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob == entry.top_logprobs[0].logprob < 0 for entry in entries)  # greedy: the likeliest
+    streamed = list(client.chat.completions.create(**options, stream=True))
+    assert [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content] == [e.token for e in entries]
+    completion = client.completions.create(model="micro", prompt="def parse(self, text):", max_tokens=12, temperature=0, logprobs=1)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text and [len(top) for top in logprobs.top_logprobs] == [1] * len(logprobs.tokens)
+    assert client.chat.completions.create(model="micro", messages=CHAT, max_tokens=2).choices[0].logprobs is None
+
+
 @pytest.mark.parametrize(
     "path, body, status, says",
     [
@@ -128,7 +183,12 @@ def test_sampling_with_a_seed_is_reproducible(client):
         ("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "does not exist"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens must be between 1 and"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 100000}, 400, "max_tokens must be between 1 and"),
-        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": AGENT_TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, 400,
+         "'rm', which is not among the tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "no tools are given"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema is required"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         ("/v1/completions", {"prompt": "x " * 1200}, 400, "maximum context is 1024 tokens"),
         ("/v1/completions", {"prompt": []}, 400, "prompt must not be empty"),
         ("/v1/completions", {"prompt": [1, 10**9]}, 400, "token ids"),
@@ -193,13 +253,13 @@ def test_regen_through_the_server_equals_regen_in_process(server, run_cli, tmp_p
 
 
 def test_unknown_fields_are_ignored_with_a_log_line(server, server_dir):
-    body = {"messages": CHAT, "max_tokens": 2, "frobnicate": True, "logprobs": False, "messages_extra": 1}
+    body = {"messages": CHAT, "max_tokens": 2, "frobnicate": True, "logit_bias": {"5": 1}, "messages_extra": 1}
     assert httpx.post(server + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     deadline = time.time() + 10
     while "frobnicate" not in (server_dir / "serve.log").read_text():
         assert time.time() < deadline, "no log line about the ignored fields"
         time.sleep(0.1)
-    assert "ignoring fields this server does not support: frobnicate, logprobs, messages_extra" in (server_dir / "serve.log").read_text()
+    assert "ignoring fields this server does not support: frobnicate, logit_bias, messages_extra" in (server_dir / "serve.log").read_text()
 
 
 def test_an_agent_session_with_tools_is_served_and_each_turn_reuses_the_last(client, server):

@@ -208,6 +208,9 @@ class DecodeConfig:
     # Propose per row only the tokens expected to pay for their verify, at the verify cost measured at
     # start-up (adaptive.py; eager path).  A method name ending in :fixed always proposes K, as the paper does.
     adaptive: bool = True
+    # Under a grammar (a JSON response format, an enforced tool choice), propose the text it forces (keys, punctuation,
+    # a tool's name) without the drafter, ahead of the drafter's own proposals, up to K tokens a round
+    forced_drafting: bool = True
     prefill_chunk: int = positive(512)  # prompt tokens per target pass while prefilling
     max_batch: int = positive(16)  # rows decoded together (continuous batching)
     # Which engine generate, serve, bench and profile decode in (their --engine overrides it): vllm (vLLM with dlite's plugin,

@@ -11,6 +11,10 @@ One round, for the B active rows (each row is a Request):
              accepted length, the target state at the last accepted position becomes the new pivot
              and the target's extra token the new anchor.
 
+A row whose reply has a format (a JSON schema, an enforced tool call) decodes under its grammar (grammar.py): its
+proposals are walked through the grammar, which adds the tokens it forces and cuts those it refuses, and its verify
+logits are masked by what the grammar allows at each position.
+
 A row leaves on EOS, a stop string or its token budget, and a waiting request takes a free slot,
 the one holding the longest prefix of its prompt (else the one freed longest ago), and is prefilled
 a chunk per round (continuous batching), so a long prompt arriving delays the running rows by one
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -32,8 +37,9 @@ from ..models.model import greedy_pick
 from ..models.runner import TargetRunner, decode_path, pass_width
 from .adaptive import VerifyCosts
 from .engines import DecodingEngine
-from .requests import OutputText, Request, Stats
-from .sampling import accept_greedy, accept_sampled, draw
+from .grammar import Grammars
+from .requests import Logprob, OutputText, Request, Stats
+from .sampling import accept_greedy, accept_sampled, draw, logprobs
 
 
 class RoundClock:
@@ -59,14 +65,38 @@ class RoundClock:
         return self.captures - self.captures_at_start
 
 
+@dataclass
+class Proposals:
+    """A round's proposals for its B rows: ``lengths`` (B,) proposals per row, of which the first ``own`` (B,) are the
+    drafter's; ``tokens`` (B, 1 + width) to verify, each row's anchor then its proposals, padded to the longest; and
+    ``masks``, for each row b under a grammar, (lengths[b] + 1, V) what the grammar allows at each position of the pass."""
+
+    lengths: list[int]
+    own: list[int]
+    tokens: torch.Tensor
+    masks: dict[int, torch.Tensor]
+
+
+@dataclass
+class Outcome:
+    """A row's round: ``accepted`` proposals, the ``tokens`` it writes (those, then the target's next token) and their
+    log-probabilities where the request asks for them."""
+
+    accepted: int
+    tokens: list[int]
+    logprobs: list[Logprob] | None
+
+
 class Engine(DecodingEngine):
     """Continuous batching over a TargetRunner's slots with one proposer (proposers/)."""
 
-    def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False):
+    def __init__(self, runner, drafter, eos_ids: set[int], detokenize, adaptive: bool = False, grammars: Grammars | None = None):
         """``detokenize(ids) → text`` (for stop strings and the final text); one row per runner slot.
         ``adaptive``: the drafter proposes only what pays for its verify, at the verify and draft costs measured
-        here (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed)."""
+        here (adaptive.py; on the static path every pass costs the same, so only whether to draft at all is weighed).
+        ``grammars``: what starts a request's grammar (grammar.py), for requests whose replies have a format."""
         self.runner, self.drafter, self.eos_ids, self.detokenize = runner, drafter, set(eos_ids), detokenize
+        self.grammars = grammars
         if adaptive and drafter.draft_tokens:
             drafter.adapt(VerifyCosts(runner.verify_costs(drafter.draft_tokens + 1), padded=runner.width))
         self.free = list(range(runner.slots))  # the one freed longest ago first
@@ -176,7 +206,8 @@ class Engine(DecodingEngine):
             logits, features, reused = request.prefill.result()
             request.prefill = None
             self.prefilling.popleft()
-            first = int(logits.argmax()) if request.params.greedy else draw(logits, request.params, request.seed, 0)
+            allowed = logits if request.grammar is None else logits.masked_fill(~request.grammar.allowed().to(logits.device), float("-inf"))
+            first = int(allowed.argmax()) if request.params.greedy else draw(allowed, request.params, request.seed, 0)
             request.pivot = features[-1]
             self.active.append(request)
             self.drafter.begin(request, features)
@@ -187,28 +218,38 @@ class Engine(DecodingEngine):
         request.stats.prefill_seconds += seconds
         self.stats.prefill_seconds += seconds
         if done:
-            self._emit(request, [first])
+            self._emit(request, [first], self._logprobs(request, logits[None], [first]))
 
     def _round(self, rows: list[Request]) -> list[Request]:
         """One speculative round for the B active rows (the module docstring), counted in the stats → rows."""
         clock = RoundClock(self.runner.device)
-        draft, tokens = self._draft(rows)
+        proposals = self._draft(rows)
         clock.draft = clock.lap()
-        verified = self._verify(rows, tokens, clock)
-        outcomes = self._accept(rows, draft, tokens, verified)
+        verified = self._verify(rows, proposals.tokens, clock)
+        outcomes = self._accept(rows, proposals, verified)
         upkeep = self._advance(rows, outcomes, verified)
         clock.overhead = clock.lap() - upkeep
         clock.draft += upkeep  # draft-KV upkeep is draft time
-        self._account(rows, draft.lengths, outcomes, clock)
+        self._account(rows, proposals.lengths, outcomes, clock)
         return rows
 
-    def _draft(self, rows: list[Request]):
-        """The drafter's proposals for the B rows (proposers.base.Draft), and tokens (B, 1 + width) to verify: each row's
-        anchor, then its drafts, padded to the longest (the static path pads the pass to its fixed width anyway)."""
+    def _draft(self, rows: list[Request]) -> Proposals:
+        """The round's proposals for the B rows: the drafter's, and for a row under a grammar what its grammar makes of
+        them (grammar.py: forced tokens added, refused ones cut)."""
         draft = self.drafter.propose(rows, greedy_pick)  # a sampling row keeps a proposal equal to its draw: its likeliest
-        width = max(draft.lengths)
+        lengths, own, proposed, masks = list(draft.lengths), list(draft.lengths), draft.tokens, {}
+        constrained = [b for b, row in enumerate(rows) if row.grammar is not None]
+        if constrained:
+            proposed = draft.tokens.cpu().clone()
+            drafted = proposed.tolist()
+            for b in constrained:
+                tokens, masks[b] = rows[b].grammar.propose(drafted[b][: lengths[b]], self.drafter.draft_tokens)
+                proposed[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+                own[b] = next((i for i, (a, d) in enumerate(zip(tokens, drafted[b][: lengths[b]])) if a != d), min(len(tokens), lengths[b]))
+                lengths[b] = len(tokens)
         anchors = torch.tensor([[row.anchor] for row in rows], device=self.runner.device)
-        return draft, torch.cat([anchors, draft.tokens[:, :width].to(self.runner.device)], dim=1)
+        tokens = torch.cat([anchors, proposed[:, : max(lengths)].to(self.runner.device)], dim=1)
+        return Proposals(lengths, own, tokens, masks)
 
     def _verify(self, rows: list[Request], tokens: torch.Tensor, clock: RoundClock):
         """The target's batched pass over tokens (B, 1 + width) → logits (B', 1 + width, V), features
@@ -221,47 +262,60 @@ class Engine(DecodingEngine):
             self.drafter.costs.at(len(rows)).observe(tokens.shape[1], 1000 * clock.verify)
         return verified
 
-    def _accept(self, rows: list[Request], draft, tokens: torch.Tensor, verified) -> list[tuple[int, list[int]]]:
-        """Each row's accepted drafts n and the tokens it emits (those n drafts, then the target's next token), from
-        tokens (B, 1 + width) and the verify pass: greedy rows all at once, sampled rows by the target's draws.  The
-        drafter observes each outcome and the runner commits each row's anchor and accepted drafts."""
+    def _accept(self, rows: list[Request], proposals: Proposals, verified) -> list[Outcome]:
+        """Each row's accepted proposals n and the tokens it emits (those n, then the target's next token), from the
+        verify pass (a row under a grammar reads its logits masked by it): greedy rows all at once, sampled rows by the
+        target's draws.  The drafter observes how many of its own proposals were accepted, and the runner commits each
+        row's anchor and accepted proposals."""
         logits, _, index = verified
-        lengths = torch.tensor(draft.lengths, device=self.runner.device)
-        greedy_n, greedy_next = accept_greedy(logits.argmax(-1)[index], tokens[:, 1:], lengths)
-        # the round's one read from the device: per row greedy n, the target's next token, [anchor, drafts]
+        tokens, lengths = proposals.tokens, proposals.lengths
+        masked = {b: logits[index[b], : len(allowed)].masked_fill(~allowed.to(logits.device), float("-inf")) for b, allowed in proposals.masks.items()}
+        choice = logits.argmax(-1)[index]
+        for b, row_logits in masked.items():
+            choice[b, : len(row_logits)] = row_logits.argmax(-1)
+        greedy_n, greedy_next = accept_greedy(choice, tokens[:, 1:], torch.tensor(lengths, device=self.runner.device))
+        # the round's one read from the device: per row greedy n, the target's next token, [anchor, proposals]
         read = torch.cat([greedy_n[:, None], greedy_next[:, None], tokens], dim=1).tolist()
         outcomes = []
         for b, row in enumerate(rows):
             n, next_token = read[b][0], read[b][1]
             if not row.params.greedy:
-                L = draft.lengths[b]
-                n, next_token = accept_sampled(logits[index[b], : L + 1], read[b][3 : 3 + L], row.params, row.seed, len(row.output_ids))
-            outcomes.append((n, read[b][3 : 3 + n] + [next_token]))
-            self.drafter.observe(row, n, next_token if row.params.greedy else None)
-            self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted drafts
+                L = lengths[b]
+                row_logits = masked.get(b, logits[index[b], : L + 1])
+                n, next_token = accept_sampled(row_logits, read[b][3 : 3 + L], row.params, row.seed, len(row.output_ids))
+            emitted = read[b][3 : 3 + n] + [next_token]
+            outcomes.append(Outcome(n, emitted, self._logprobs(row, logits[index[b], : n + 1], emitted)))
+            own = min(n, proposals.own[b])  # the drafter's own proposals accepted, and the token the target wrote after them
+            self.drafter.observe(row, own, emitted[own] if row.params.greedy else None)
+            self.runner.commit(row.slot, read[b][2 : 3 + n])  # the anchor and the accepted proposals
         return outcomes
 
-    def _advance(self, rows: list[Request], outcomes: list[tuple[int, list[int]]], verified) -> float:
+    def _logprobs(self, request: Request, logits: torch.Tensor, tokens: list[int]) -> list[Logprob] | None:
+        """Where ``request`` asks for them, the log-probabilities of ``tokens`` (T,), written at logits (T, V)."""
+        return None if request.params.logprobs is None else logprobs(logits, tokens, request.params.logprobs)
+
+    def _advance(self, rows: list[Request], outcomes: list[Outcome], verified) -> float:
         """Move each row past its accepted tokens: the drafter's history extended (if it keeps all features), the
         target's state at its last accepted position its new pivot, its tokens emitted.  → the drafter's seconds."""
         _, features, index = verified
-        accepted = torch.tensor([n for n, _ in outcomes], device=self.runner.device)
+        accepted = torch.tensor([outcome.accepted for outcome in outcomes], device=self.runner.device)
         pivots = features[index, accepted]  # (B, S, H): the target's states at each row's last accepted position
         upkeep = 0.0
-        for b, (row, (n, tokens)) in enumerate(zip(rows, outcomes)):
+        for b, (row, outcome) in enumerate(zip(rows, outcomes)):
             if self.drafter.needs_all_features:  # the old pivot, the anchor and all accepted drafts but the last are history now
                 start = now(self.runner.device)
-                self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], :n]]))
+                self.drafter.extend(row, torch.cat([row.pivot[None], features[index[b], : outcome.accepted]]))
                 upkeep += now(self.runner.device) - start  # on the round's synchronised clock
             row.pivot = pivots[b]
-            self._emit(row, tokens)
+            self._emit(row, outcome.tokens, outcome.logprobs)
         return upkeep
 
-    def _account(self, rows: list[Request], lengths: list[int], outcomes: list[tuple[int, list[int]]], clock: RoundClock) -> None:
+    def _account(self, rows: list[Request], lengths: list[int], outcomes: list[Outcome], clock: RoundClock) -> None:
         """Count the round in each row's stats and the engine's: drafts proposed and accepted per position (lengths
         (B,)), tokens committed, the drafter's KV bytes (at their peak) and the round's seconds."""
         draft_kv = 0
-        for row, length, (n, _) in zip(rows, lengths, outcomes):
+        for row, length, outcome in zip(rows, lengths, outcomes):
+            n = outcome.accepted
             kv = self.drafter.kv_bytes(row) if row.finish_reason is None else 0
             row.stats.draft_kv_bytes = max(row.stats.draft_kv_bytes, kv)
             draft_kv += kv
@@ -279,9 +333,12 @@ class Engine(DecodingEngine):
             stats.overhead_seconds += clock.overhead
             stats.capture_seconds += clock.captured
 
-    def _emit(self, request: Request, tokens: list[int]) -> None:
-        """Append accepted tokens, stopping at EOS, the token budget, a stop string or the cache's end."""
+    def _emit(self, request: Request, tokens: list[int], token_logprobs: list[Logprob] | None = None) -> None:
+        """Append accepted tokens (with their log-probabilities, where asked), stopping at EOS, the token budget, a
+        stop string or the cache's end."""
         params = request.params
+        if request.grammar is not None:
+            request.grammar.commit(tokens)
         for count, token in enumerate(tokens, 1):
             request.output_ids.append(token)
             request.stats.generated_tokens += 1
@@ -289,6 +346,8 @@ class Engine(DecodingEngine):
             if token in self.eos_ids:
                 request.output_text.extend(tokens[: count - 1])
                 return self._finish(request, "stop")
+            if token_logprobs is not None:
+                request.logprobs.append(token_logprobs[count - 1])
             if len(request.output_ids) >= params.max_new_tokens:
                 request.output_text.extend(tokens[:count])
                 return self._finish(request, "length")
@@ -347,7 +406,9 @@ def load_engine(config, run_dir, drafter: str, slots: int | None = None, capacit
     proposer = load_proposer(method, directory, proposer_setup(config, model, capacity, path, log))
     runner = TargetRunner(model, proposer.target_layers, slots, capacity, decode.prefill_chunk, path,
                           pass_width(verify_tokens(config, proposer.draft_tokens), model.dtype, path, decode.identical_text))
-    return Engine(runner, proposer, *stop_tokens_and_text(model, tokenizer), adaptive=decode.adaptive and method.adaptive), tokenizer
+    eos_ids, detokenize = stop_tokens_and_text(model, tokenizer)
+    grammars = Grammars(tokenizer, model.config.vocab_size, eos_ids, decode.forced_drafting)
+    return Engine(runner, proposer, eos_ids, detokenize, adaptive=decode.adaptive and method.adaptive, grammars=grammars), tokenizer
 
 
 def proposer_setup(config, model, capacity: int, path: str, log=print):

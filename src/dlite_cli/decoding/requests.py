@@ -9,6 +9,7 @@ import torch
 
 from ..core.errors import DliteError
 from ..models.runner import Prefill
+from .grammar import Grammar
 
 
 @dataclass
@@ -19,6 +20,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k cut
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: none; k: each written token's log-probability and the k likeliest tokens' (sampling.logprobs)
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -29,6 +31,8 @@ class SamplingParams:
             raise DliteError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise DliteError(f"top_k must be ≥ 0, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise DliteError(f"logprobs must be ≥ 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +88,16 @@ class Stats:
         }
 
 
+@dataclass
+class Logprob:
+    """A written token's log-probability under the target's own distribution (its logits, before temperature, top-k,
+    top-p or a grammar's mask), and the likeliest tokens there with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass(eq=False)  # compared by identity: a request is one live object
 class Request:
     """One sequence: its prompt and parameters, then (filled by the engine) its output and state."""
@@ -101,6 +115,8 @@ class Request:
     seed: int = 0  # its sampled tokens' seed in dlite's engine: params.seed, else a random one (sampling.draw)
     generator: torch.Generator | None = None  # in vLLM's proposer: a sampling row's proposals are drawn from q with it
     prefill: Prefill | None = None  # while its prompt is being prefilled
+    grammar: Grammar | None = None  # what its output must match, where it has a format (grammar.py)
+    logprobs: list[Logprob] = field(default_factory=list)  # one per output token but EOS, where params.logprobs asks
 
     @property
     def tokens(self) -> list[int]:

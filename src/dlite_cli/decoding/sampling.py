@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .requests import SamplingParams
+from .requests import Logprob, SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -56,6 +56,16 @@ def accept_sampled(target_logits: torch.Tensor, drafts: list[int], params: Sampl
         if token != proposed:
             return i, token
     return len(drafts), draw(target_logits[len(drafts)], params, seed, start + len(drafts))
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
+    """logits (T, V) at the positions where ``tokens`` (T,) were written → each one's log-probability under the
+    target's own distribution and the ``top`` likeliest tokens' there."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = log_probs.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    best = log_probs.topk(top, dim=-1) if top else None
+    tops = [list(zip(ids, values)) for ids, values in zip(best.indices.tolist(), best.values.tolist())] if best else [[] for _ in tokens]
+    return [Logprob(token, value, top_tokens) for token, value, top_tokens in zip(tokens, chosen, tops)]
 
 
 def accept_greedy(choice: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

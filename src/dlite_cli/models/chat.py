@@ -20,6 +20,8 @@ import re
 import uuid
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# a call as the assistant writes it: CALL_HEAD + the name as JSON + CALL_ARGUMENTS + the arguments' JSON object + CALL_TAIL
+CALL_HEAD, CALL_ARGUMENTS, CALL_TAIL = TOOL_CALL_OPEN + '\n{"name": ', ', "arguments": ', "}\n" + TOOL_CALL_CLOSE
 TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 # the default form's instruction, written into the system message where {tools} stands
 TOOLS_INSTRUCTION = (
@@ -56,7 +58,7 @@ def template_with_tools(template: str) -> str:
     into plain-text contents, in the default form above, before it renders the messages: dlite's engine and vLLM's
     server (``--chat-template``) render an agent's request alike."""
     head, tail = (json.dumps(part) for part in TOOLS_INSTRUCTION.split("{tools}"))
-    call_open, call_close = json.dumps(TOOL_CALL_OPEN + '\n{"name": '), json.dumps("}\n" + TOOL_CALL_CLOSE)  # Jinja strings
+    call_head, call_arguments, call_tail = (json.dumps(part) for part in (CALL_HEAD, CALL_ARGUMENTS, CALL_TAIL))  # Jinja strings
     return (
         "{%- set ns = namespace(messages=[]) -%}"
         "{%- for m in messages -%}"
@@ -64,8 +66,8 @@ def template_with_tools(template: str) -> str:
         "{%- set text = namespace(value=m.content or '') -%}"
         "{%- for call in m.tool_calls -%}"
         "{%- set arguments = call.function.arguments if call.function.arguments is string else call.function.arguments | tojson -%}"
-        "{%- set text.value = (text.value ~ '\\n' if text.value else '') ~ " + call_open
-        + " ~ call.function.name | tojson ~ ', \"arguments\": ' ~ arguments ~ " + call_close + " -%}"
+        "{%- set text.value = (text.value ~ '\\n' if text.value else '') ~ " + call_head
+        + " ~ call.function.name | tojson ~ " + call_arguments + " ~ arguments ~ " + call_tail + " -%}"
         "{%- endfor -%}"
         "{%- set ns.messages = ns.messages + [{'role': 'assistant', 'content': text.value}] -%}"
         "{%- elif m.role == 'tool' -%}"

@@ -29,7 +29,8 @@ from pydantic import ValidationError
 
 from ..core.errors import DliteError
 from ..decoding.engine import Engine
-from ..decoding.requests import Request, SamplingParams
+from ..decoding.grammar import Grammar
+from ..decoding.requests import Logprob, Request, SamplingParams
 from ..models.chat import chat_prompt_ids
 from .bodies import ApiError, Body, ChatBody, CompletionBody, Sampling, validation_error
 from .worker import Busy, Job, Stopped, ToolCallSplit, Worker
@@ -81,17 +82,24 @@ class Server:
 
     async def completions(self, http: HttpRequest):
         body = await self.parse(http, CompletionBody)
-        request = self.engine_request(body, await self.off_loop(self.completion_ids, body), body.max_tokens, default_max=16)
-        return await self.decode(http, body, Job(request, asyncio.get_running_loop()), completion_chunk, completion_response)
+        requests = self.engine_requests(body, await self.off_loop(self.completion_ids, body), body.max_tokens, default_max=16, logprobs=body.logprobs)
+        return await self.decode(http, body, self.jobs(requests), completion_chunk, completion_response)
 
     async def chat_completions(self, http: HttpRequest):
         body = await self.parse(http, ChatBody)
-        for note in body.unhonoured():
-            logger.warning("/v1/chat/completions: %s", note)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        request = self.engine_request(body, await self.off_loop(self.chat_ids, body), requested, default_max=self.max_tokens)
-        tool_calls = ToolCallSplit(body.parallel_tool_calls) if body.offered_tools() else None
-        return await self.decode(http, body, Job(request, asyncio.get_running_loop(), tool_calls), chat_chunk, chat_response)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        requests = self.engine_requests(body, await self.off_loop(self.chat_ids, body), requested, default_max=self.max_tokens, logprobs=logprobs)
+        for request in requests:
+            request.grammar = await self.off_loop(self.chat_grammar, body)
+        return await self.decode(http, body, self.jobs(requests, body.parallel_tool_calls if body.offered_tools() else None), chat_chunk, chat_response)
+
+    def jobs(self, requests: list[Request], parallel_tool_calls: bool | None = None) -> list[Job]:
+        """A job for each of a body's requests (its choices), publishing to one queue; ``parallel_tool_calls``: where
+        the prompt offers tools, whether a reply's every call is read out of it (else the first alone)."""
+        events, loop = asyncio.Queue(), asyncio.get_running_loop()
+        return [Job(request, loop, index, events, None if parallel_tool_calls is None else ToolCallSplit(parallel_tool_calls))
+                for index, request in enumerate(requests)]
 
     async def parse(self, http: HttpRequest, schema: type[Body]) -> Body:
         declared = http.headers.get("content-length")
@@ -136,7 +144,17 @@ class Server:
         except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
             raise ApiError(400, f"the chat template rejected these messages: {e}", param="messages") from None
 
-    def engine_request(self, body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int) -> Request:
+    def chat_grammar(self, body: ChatBody) -> Grammar | None:
+        """The grammar the reply must match (a JSON response format, an enforced tool choice), or None; a format that
+        cannot be met or compiled is refused (400)."""
+        try:
+            reply = body.reply_format()
+            return None if reply is None else self.engine.grammars.grammar(reply)
+        except DliteError as e:
+            raise ApiError(400, str(e)) from None
+
+    def engine_requests(self, body: Sampling, prompt_ids: list[int], requested: int | None, default_max: int, logprobs: int | None) -> list[Request]:
+        """The body's ``n`` choices as engine requests (choice i sampled with seed + i, where a seed is given)."""
         room = self.engine.room(len(prompt_ids))
         if room < 1:
             raise ApiError(400, f"this model's maximum context is {self.engine.capacity} tokens and the prompt has {len(prompt_ids)}", param="messages")
@@ -148,83 +166,111 @@ class Server:
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop must be at most 4 non-empty strings", param="stop")
-        params = SamplingParams(requested, body.temperature, body.top_p, body.top_k, stops, body.seed)
-        request = Request(prompt_ids, params)
+        seeds = [None if body.seed is None else body.seed + i for i in range(body.n)]
+        requests = [Request(prompt_ids, SamplingParams(requested, body.temperature, body.top_p, body.top_k, stops, seed, logprobs)) for seed in seeds]
         try:
-            self.engine.validate(request)
+            self.engine.validate(requests[0])
         except DliteError as e:
             raise ApiError(400, str(e)) from None
-        return request
+        return requests
 
-    async def decode(self, http: HttpRequest, body: Sampling, job: Job, chunk, final):
-        """Run ``job``; return the whole response, or stream it as server-sent events.  ``chunk(identifier, model, text,
-        finish, first=False, tool_call=None)`` is a stream's event, ``final(identifier, model, request, text, tool_calls,
-        finish)`` the whole response."""
-        self.submit(job)
+    async def decode(self, http: HttpRequest, body: Sampling, jobs: list[Job], chunk, final):
+        """Run ``jobs`` (the body's choices); return the whole response, or stream it as server-sent events.
+        ``chunk(identifier, model, index, text, finish, first=False, tool_call=None, logprobs=None)`` is a stream's event
+        for choice ``index``, ``final(identifier, model, requests, choices)`` the whole response, each choice
+        ``(text, tool_calls, finish, logprobs)``; ``logprobs`` as :meth:`logprob_entries` writes them."""
+        self.submit(jobs)
         identifier = f"{'chatcmpl' if isinstance(body, ChatBody) else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if not body.stream:
-            return await self.whole_response(http, job, partial(final, identifier, self.model_name, job.request))
+            return await self.whole_response(http, jobs, partial(final, identifier, self.model_name, [job.request for job in jobs]))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = self.streamed_events(job, partial(chunk, identifier, self.model_name), include_usage)
+        events = self.streamed_events(jobs, partial(chunk, identifier, self.model_name), include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    def submit(self, job: Job) -> None:
-        """Hand ``job`` to the worker: 429 where it has no room for another request, 503 where it has stopped."""
-        try:
-            self.worker.submit(job)
-        except Busy:
-            raise ApiError(429, f"the server is busy: {self.worker.capacity} requests are already in flight; retry shortly", "rate_limit_exceeded") from None
-        except Stopped as e:
-            raise ApiError(503, str(e), "server_error") from None
+    def logprob_entries(self, request: Request, logprobs: list[Logprob]) -> list[dict] | None:
+        """``logprobs`` in OpenAI's chat form (each token's text, log-probability, UTF-8 bytes and likeliest tokens), or
+        None where ``request`` asked for none."""
+        if request.params.logprobs is None:
+            return None
 
-    async def whole_response(self, http: HttpRequest, job: Job, final):
-        """``final(text, tool_calls, finish)`` once ``job`` is done; a client that goes away meanwhile cancels it (499)."""
-        text, calls = [], []
+        def entry(token: int, logprob: float) -> dict:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Hand ``jobs`` to the worker, all or none: 429 where it has no room for them, 503 where it has stopped."""
+        submitted = []
         try:
-            while True:
+            for job in jobs:
+                self.worker.submit(job)
+                submitted.append(job)
+        except (Busy, Stopped) as e:
+            for job in submitted:
+                self.worker.cancel(job)
+            if isinstance(e, Stopped):
+                raise ApiError(503, str(e), "server_error") from None
+            raise ApiError(429, f"the server is busy: {self.worker.capacity} requests are already in flight; retry shortly", "rate_limit_exceeded") from None
+
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.worker.cancel(job)
+
+    async def whole_response(self, http: HttpRequest, jobs: list[Job], final):
+        """``final(choices)`` once every job is done, a choice ``(text, tool_calls, finish, logprobs)`` for each; a client
+        that goes away meanwhile cancels them (499)."""
+        texts, calls, finishes = [[] for _ in jobs], [[] for _ in jobs], [None] * len(jobs)
+        events = jobs[0].events
+        try:
+            while None in finishes:
                 try:
-                    event = await asyncio.wait_for(job.events.get(), POLL_SECONDS)
+                    index, event = await asyncio.wait_for(events.get(), POLL_SECONDS)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
-                        self.worker.cancel(job)
+                        self.cancel(jobs)
                         return JSONResponse({}, status_code=499)
                     continue
                 if event[0] == "error":
+                    self.cancel(jobs)
                     raise ApiError(event[2], event[1], "server_error")
                 if event[0] == "done":
-                    return final("".join(text), calls, event[1])
-                (calls if event[0] == "tool_call" else text).append(event[1])
+                    finishes[index] = event[1]
+                else:
+                    (calls if event[0] == "tool_call" else texts)[index].append(event[1])
         except asyncio.CancelledError:
-            self.worker.cancel(job)
+            self.cancel(jobs)
             raise
+        return final([("".join(text), called, finish, self.logprob_entries(job.request, job.request.logprobs))
+                      for text, called, finish, job in zip(texts, calls, finishes, jobs)])
 
-    async def streamed_events(self, job: Job, chunk, include_usage: bool):
-        """``job``'s progress as server-sent events, each ``chunk(text, finish, first=False, tool_call=None)``, then the
-        usage (where asked) and ``[DONE]``; a stream closed before the end cancels ``job``."""
-        finished, calls = False, 0
+    async def streamed_events(self, jobs: list[Job], chunk, include_usage: bool):
+        """The jobs' progress as server-sent events, each ``chunk(index, text, finish, first=False, tool_call=None,
+        logprobs=None)``, then the usage (where asked) and ``[DONE]``; a stream closed before the end cancels them."""
+        running, calls, events = len(jobs), [0] * len(jobs), jobs[0].events
         try:
-            yield sse(chunk(None, None, first=True))
-            while True:
-                event = await job.events.get()
+            for index in range(len(jobs)):
+                yield sse(chunk(index, None, None, first=True))
+            while running:
+                index, event = await events.get()
+                request = jobs[index].request
                 if event[0] == "error":
                     yield sse({"error": ApiError(event[2], event[1], "server_error").body()["error"]})
                     break
                 if event[0] == "text":
-                    yield sse(chunk(event[1], None))
-                    continue
-                if event[0] == "tool_call":
-                    yield sse(chunk(None, None, tool_call=(calls, event[1])))
-                    calls += 1
-                    continue
-                finished = True
-                yield sse(chunk(None, event[1]))
-                if include_usage:
-                    yield sse({**chunk(None, None), "choices": [], **usage_fields(job.request)})
-                break
+                    yield sse(chunk(index, event[1], None, logprobs=self.logprob_entries(request, event[2])))
+                elif event[0] == "tool_call":
+                    yield sse(chunk(index, None, None, tool_call=(calls[index], event[1])))
+                    calls[index] += 1
+                else:
+                    running -= 1
+                    yield sse(chunk(index, None, event[1], logprobs=self.logprob_entries(request, event[2]) if event[2] else None))
+            if not running and include_usage:
+                yield sse({**chunk(0, None, None), "choices": [], **usage_fields([job.request for job in jobs])})
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (or the stream failed): free the slot now
-                self.worker.cancel(job)
+            if running:  # the client went away (or the stream failed): free the slots now
+                self.cancel(jobs)
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_queue: int, max_tokens: int):
@@ -243,48 +289,73 @@ def create_app(engine: Engine, tokenizer, model_name: str, thinking: bool, max_q
     return app
 
 
-def completion_chunk(identifier: str, model: str, text: str | None, finish: str | None, first: bool = False) -> dict:
-    """A streamed completion's event: text gained, or the finish reason (the ``first`` event is like any without text)."""
+def completion_chunk(identifier: str, model: str, index: int, text: str | None, finish: str | None, first: bool = False,
+                     logprobs: list[dict] | None = None) -> dict:
+    """A streamed completion's event for choice ``index``: text gained (and its tokens' ``logprobs``, in chat form), or
+    the finish reason (the ``first`` event is like any without text)."""
     return {"id": identifier, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": completion_logprobs(logprobs)}]}
 
 
-def completion_response(identifier: str, model: str, request: Request, text: str, calls: list[dict], finish: str) -> dict:
-    """A whole completion (``calls``: none, as completions offer no tools)."""
-    return {**completion_chunk(identifier, model, text, finish), **usage_fields(request)}
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """Chat-form logprob entries in the completions endpoint's older form (offsets from the first of them)."""
+    if entries is None:
+        return None
+    offsets = [0]
+    for entry in entries[:-1]:
+        offsets.append(offsets[-1] + len(entry["token"]))
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries], "text_offset": offsets[: len(entries)]}
 
 
-def chat_chunk(identifier: str, model: str, text: str | None, finish: str | None, first: bool = False, tool_call: tuple[int, dict] | None = None) -> dict:
-    """A streamed chat completion's event: the assistant's role (``first``), content gained, a tool call as
-    ``(index, call)``, or the finish reason."""
+def completion_response(identifier: str, model: str, requests: list[Request], choices: list[tuple]) -> dict:
+    """A whole completion: each choice ``(text, tool_calls, finish, logprobs)`` (no tool calls: completions offer no tools)."""
+    return {"id": identifier, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": completion_logprobs(logprobs)}
+                        for index, (text, _, finish, logprobs) in enumerate(choices)], **usage_fields(requests)}
+
+
+def chat_chunk(identifier: str, model: str, index: int, text: str | None, finish: str | None, first: bool = False,
+               tool_call: tuple[int, dict] | None = None, logprobs: list[dict] | None = None) -> dict:
+    """A streamed chat completion's event for choice ``index``: the assistant's role (``first``), content gained (with
+    its tokens' ``logprobs``), a tool call as ``(its index, call)``, or the finish reason."""
     if first:
         delta = {"role": "assistant", "content": ""}
     elif tool_call is not None:
-        index, call = tool_call
-        delta = {"tool_calls": [{"index": index, **call}]}
+        call_index, call = tool_call
+        delta = {"tool_calls": [{"index": call_index, **call}]}
     else:
         delta = {"content": text} if text else {}
     return {"id": identifier, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": chat_logprobs(logprobs)}]}
 
 
-def chat_response(identifier: str, model: str, request: Request, text: str, calls: list[dict], finish: str) -> dict:
-    """A whole chat completion: its content and the tool calls it made."""
-    message = {"role": "assistant", "content": (text or None) if calls else text}
-    if calls:
-        message["tool_calls"] = calls
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    return None if entries is None else {"content": entries}
+
+
+def chat_response(identifier: str, model: str, requests: list[Request], choices: list[tuple]) -> dict:
+    """A whole chat completion: each choice ``(text, tool_calls, finish, logprobs)`` as a message with its content and
+    the tool calls it made."""
+    def choice(index: int, text: str, calls: list[dict], finish: str, logprobs: list[dict] | None) -> dict:
+        message = {"role": "assistant", "content": (text or None) if calls else text}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": chat_logprobs(logprobs)}
+
     return {"id": identifier, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}], **usage_fields(request)}
+            "choices": [choice(index, *result) for index, result in enumerate(choices)], **usage_fields(requests)}
 
 
-def usage_fields(request: Request) -> dict:
-    """OpenAI's ``usage`` (prompt tokens found in a slot's cache as ``cached_tokens``) plus dlite's acceptance
-    statistics in the extra field ``dlite``."""
-    stats = request.stats
-    usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-             "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens}}
-    return {"usage": usage, "dlite": stats.as_dict()}
+def usage_fields(requests: list[Request]) -> dict:
+    """OpenAI's ``usage`` for a body's requests, its choices (their prompt counted once; of it, the tokens found in a
+    slot's cache as ``cached_tokens``) plus dlite's acceptance statistics, the first choice's, in the extra field
+    ``dlite``."""
+    first = requests[0].stats
+    completion = sum(request.stats.generated_tokens for request in requests)
+    usage = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion, "total_tokens": first.prompt_tokens + completion,
+             "prompt_tokens_details": {"cached_tokens": first.reused_prompt_tokens}}
+    return {"usage": usage, "dlite": first.as_dict()}
 
 
 def sse(payload: dict) -> str:

@@ -1,8 +1,9 @@
 """The OpenAI protocol's request bodies, as dlite's server (app.py) reads them, and its error body.
 
 Chat bodies carry OpenAI's tools protocol (``tools``, ``tool_choice``, assistant ``tool_calls``, ``tool``
-messages).  A field the server does not know, or cannot honour, is kept here to be ignored with a log line, as vLLM
-does; a malformed value of one it knows is refused with an OpenAI-style error body (:class:`ApiError`).
+messages) and structured outputs (``response_format``): a reply they constrain is decoded under a grammar.  A field the
+server does not know is kept here to be ignored with a log line, as vLLM does; a malformed value of one it knows is
+refused with an OpenAI-style error body (:class:`ApiError`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..decoding.grammar import reply_format
 
 
 class Body(BaseModel):
@@ -41,7 +44,7 @@ class Sampling(Body):
     top_k: int = Field(0, ge=0)  # extension (SGLang, vLLM): 0 = all tokens
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=16)  # choices, each decoded as a request of its own
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -49,6 +52,7 @@ class Sampling(Body):
 
 class CompletionBody(Sampling):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # each token's log-probability and this many likeliest tokens'
 
 
 class TextPart(Body):
@@ -109,8 +113,22 @@ class NamedToolChoice(Body):
     function: dict
 
 
+class JsonSchema(Body):
+    name: str
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # true: no properties beyond those the schema names
+
+
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required where type is json_schema")
+        return self
 
 
 class ChatBody(Sampling):
@@ -121,19 +139,18 @@ class ChatBody(Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def offered_tools(self) -> list[dict]:
         """The tools the prompt offers (none where tool_choice is none)."""
         return [] if not self.tools or self.tool_choice == "none" else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
-    def unhonoured(self) -> list[str]:
-        """What this request asks that the server does not do, besides unknown fields: logged, then decoded anyway."""
-        notes = []
-        if self.tools and self.tool_choice not in (None, "none", "auto"):
-            notes.append("tool_choice other than none or auto is decoded as auto (no constrained decoding)")
-        if self.response_format and self.response_format.type != "text":
-            notes.append(f"response_format {self.response_format.type} is decoded as text")
-        return notes
+    def reply_format(self) -> dict | None:
+        """The structural tag the reply must match (decoding/grammar.py), or None where it is free text."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, Body) else self.tool_choice
+        response_format = self.response_format.model_dump(by_alias=True) if self.response_format else None
+        return reply_format(self.offered_tools(), choice, response_format, self.parallel_tool_calls)
 
 
 class ApiError(Exception):

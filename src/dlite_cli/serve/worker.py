@@ -28,14 +28,17 @@ logger = logging.getLogger("dlite.serve")
 
 @dataclass(eq=False)
 class Job:
-    """One HTTP request's decoding: the engine Request and where its progress is published, as events
-    ("text", str), ("tool_call", dict), ("done", finish reason) and ("error", message, HTTP status)."""
+    """One choice of an HTTP request's decoding: the engine Request and where its progress is published, as events
+    ("text", str, logprobs), ("tool_call", dict), ("done", finish reason, logprobs) and ("error", message, HTTP status);
+    logprobs: the request's Logprob entries since the last event that carried them."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
+    index: int = 0  # its choice among the body's
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (index, event): a body's choices may share one
     tool_calls: ToolCallSplit | None = None  # where the request offers tools
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: str = ""  # text already published (without tools)
+    logprobs_sent: int = 0  # request.logprobs[:logprobs_sent] published
 
     def publish(self, engine: Engine) -> None:
         """Called by the worker after a step: push the new text and tool calls (and the end, if reached)."""
@@ -47,18 +50,22 @@ class Job:
         else:  # the text only grows (engine.OutputText), so what is new is its tail
             new, calls, self.sent = text[len(self.sent) :], [], text
         if new:
-            self._push(("text", new))
+            self._push(("text", new, self._new_logprobs()))
         for call in calls:
             self._push(("tool_call", call))
         if done:
             called = self.tool_calls is not None and self.tool_calls.calls and request.finish_reason == "stop"
-            self._push(("done", "tool_calls" if called else request.finish_reason))
+            self._push(("done", "tool_calls" if called else request.finish_reason, self._new_logprobs()))
+
+    def _new_logprobs(self) -> list:
+        new, self.logprobs_sent = self.request.logprobs[self.logprobs_sent :], len(self.request.logprobs)
+        return new
 
     def fail(self, message: str, status: int) -> None:
         self._push(("error", message, status))
 
     def _push(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, event))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> str:
