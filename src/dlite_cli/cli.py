@@ -261,6 +261,9 @@ def sessions(
     max_tokens: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Tokens per reply (default: sessions.max_tokens).")] = None,
     url: Annotated[Optional[str], typer.Option(metavar="URL", help="Measure this running OpenAI-compatible server (e.g. http://127.0.0.1:8000) "
                                          "instead of starting dlite's; --methods then only names its rows, and its caches carry from one run to the next.")] = None,
+    tool_choice: Annotated[Optional[str], typer.Option(metavar="auto|required", help="Offer each session's tools (BFCL-v3's and ToolTalk's, "
+                                                 "those its system prompt describes) as OpenAI tools with this tool_choice, and count the replies that "
+                                                 "are valid calls of them (default: the messages alone).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Measure every run again instead of reusing earlier ones.")] = False,
 ) -> None:
     """Agent sessions end to end through a server, prefill included: episodes of the agentic workloads replayed turn by
@@ -274,10 +277,13 @@ def sessions(
     from .bench.bench import method_names
     from .bench.sessions import SessionsPlan, run_sessions
 
+    if tool_choice not in (None, "auto", "required"):
+        raise DliteError(f"--tool-choice must be auto or required, got {tool_choice!r}")
     config = _load(target, set_)
     defaults = config.sessions
     plan = SessionsPlan(method_names(methods, defaults.methods), _numbers("--concurrency", concurrency, int) or defaults.concurrency,
-                        count or defaults.sessions, turns or defaults.turns, max_tokens or defaults.max_tokens, url.rstrip("/") if url else None)
+                        count or defaults.sessions, turns or defaults.turns, max_tokens or defaults.max_tokens, url.rstrip("/") if url else None,
+                        tool_choice)
     run_sessions(config, target, _run_dir(config, run_dir), set_ or [], plan, force, log)
 
 

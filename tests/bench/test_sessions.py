@@ -31,6 +31,21 @@ def test_sessions_replay_agent_episodes_through_a_fresh_server_per_run_and_resum
     assert done.stderr.count("| ngram | dlite |") == 2  # the table, printed
 
 
+def test_sessions_offer_their_tools_and_an_enforced_tool_choice_makes_every_reply_a_call(run_cli, tmp_path):
+    """The micro target is random: only the grammar makes a reply a tool call (one cut by the token budget ends as text)."""
+    run_cli(*SESSIONS, "--methods", "ngram", "--concurrency", "1", "--tool-choice", "required", "--max-tokens", "64")
+    folder = tmp_path / "runs" / "micro" / "sessions"
+    turns = json.loads((folder / "runs.jsonl").read_text())["turns"]
+    offered = [t for t in turns if "valid_calls" in t]
+    assert offered and {t["workload"] for t in offered} <= {"bfcl_v3", "tooltalk"}
+    assert all(t["calls"] or t["text"].startswith('<tool_call>\n{"name": "') for t in offered)
+    rows = json.loads((folder / "sessions.json").read_text())["rows"]
+    assert rows[0]["valid tool calls"].endswith(" %") and float(rows[0]["τ"]) >= 1
+    assert "with tool_choice required" in (folder / "sessions.md").read_text()
+    done = run_cli(*SESSIONS, "--tool-choice", "sometimes", check=False)
+    assert done.returncode == 2 and "--tool-choice must be auto or required" in done.stderr
+
+
 def test_an_unknown_method_or_a_url_with_no_server_is_refused_in_one_sentence(run_cli, tmp_path):
     done = run_cli(*SESSIONS, "--methods", "ar,nosuch", check=False)
     assert done.returncode == 2 and "nosuch" in done.stderr + done.stdout

@@ -1,15 +1,18 @@
 """An agent framework from PyPI (the OpenAI Agents SDK) runs a 5-turn tool-calling session against `dlite serve`, in
 dlite's engine and in vLLM's.  Its target is the micro model trained here for a few seconds to answer every chat
-with the same call of the agent's tool, so that the framework really calls it, turn after turn."""
+with the same call of the agent's tool, so that the framework really calls it, turn after turn.  Then the framework
+asks for what only constrained decoding gives such a model: a typed output, and a call of a tool it never learnt."""
 
 import asyncio
 import json
 import random
 import shutil
 import textwrap
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -31,6 +34,17 @@ TURNS = 5
 def read_file(path: str) -> str:
     """Read a file of the repository."""
     return RESULT
+
+
+@agents.function_tool
+def set_mode(mode: Literal["fast", "slow"]) -> str:
+    """Set the reader's mode."""
+    return f"reading {mode}"
+
+
+class Verdict(pydantic.BaseModel):
+    mode: Literal["fast", "slow"]
+    done: bool
 
 
 def agent_tools() -> list[dict]:
@@ -91,9 +105,8 @@ def tool_caller(cache_dir, tmp_path_factory):
     return path
 
 
-async def agent_session(url: str) -> tuple[list[str], list[dict]]:
-    """TURNS runs of an agent that stops at its first tool call, each continuing the conversation → the runs' final
-    outputs and the chat requests the framework sent."""
+async def framework_model(url: str) -> tuple[agents.OpenAIChatCompletionsModel, list[dict]]:
+    """The SDK's model for the server at ``url``, and the list the chat requests it sends are kept in."""
     sent = []
 
     async def keep(request: httpx.Request) -> None:
@@ -101,7 +114,13 @@ async def agent_session(url: str) -> tuple[list[str], list[dict]]:
             sent.append(json.loads(request.content))
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, http_client=httpx.AsyncClient(event_hooks={"request": [keep]}))
-    model = agents.OpenAIChatCompletionsModel(model=(await client.models.list()).data[0].id, openai_client=client)
+    return agents.OpenAIChatCompletionsModel(model=(await client.models.list()).data[0].id, openai_client=client), sent
+
+
+async def agent_session(url: str) -> tuple[list[str], list[dict]]:
+    """TURNS runs of an agent that stops at its first tool call, each continuing the conversation → the runs' final
+    outputs and the chat requests the framework sent."""
+    model, sent = await framework_model(url)
     agent = agents.Agent(name="coder", instructions=INSTRUCTIONS, tools=[read_file], model=model, tool_use_behavior="stop_on_first_tool",
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
     outputs, conversation_so_far = [], "Explain textwrap.py."
@@ -110,6 +129,18 @@ async def agent_session(url: str) -> tuple[list[str], list[dict]]:
         outputs.append(result.final_output)
         conversation_so_far = result.to_input_list() + [{"role": "user", "content": "Go on."}]
     return outputs, sent
+
+
+async def constrained_runs(url: str) -> tuple[Verdict, str, list[dict]]:
+    """An agent whose output is a Verdict, and one that must call set_mode (tool_choice required) → the verdict, the
+    tool's result and the chat requests the framework sent."""
+    model, sent = await framework_model(url)
+    settings = dict(temperature=0, max_tokens=300)
+    typed = agents.Agent(name="judge", instructions="Judge the reading.", output_type=Verdict, model=model, model_settings=agents.ModelSettings(**settings))
+    forced = agents.Agent(name="switch", instructions=INSTRUCTIONS, tools=[set_mode], model=model, tool_use_behavior="stop_on_first_tool",
+                          model_settings=agents.ModelSettings(**settings, tool_choice="required"))
+    verdict = (await agents.Runner.run(typed, "Was textwrap.py read fast?")).final_output
+    return verdict, (await agents.Runner.run(forced, "Explain textwrap.py.")).final_output, sent
 
 
 @pytest.mark.parametrize("engine", ["dlite", "vllm"])
@@ -122,9 +153,14 @@ def test_an_agent_framework_runs_a_five_turn_tool_session(engine, tool_caller, t
     method = "ar" if engine == "dlite" else "vllm:ar"
     with started(dlite_serve_argv(method, "micro", tmp_path, overrides, port), tmp_path / "serve.log", port) as server:
         outputs, sent = asyncio.run(agent_session(server.url))
+        verdict, result, constrained = asyncio.run(constrained_runs(server.url))
     assert outputs == [RESULT] * TURNS  # every turn the framework read a tool call out of the reply and ran it
     assert len(sent) == TURNS and all(body["tools"][0]["function"]["name"] == "read_file" for body in sent)
     last = sent[-1]["messages"]
     calls = [m for m in last if m["role"] == "assistant" and m.get("tool_calls")]
     results = [m for m in last if m["role"] == "tool"]
     assert len(calls) == len(results) == TURNS - 1 and [r["tool_call_id"] for r in results] == [c["tool_calls"][0]["id"] for c in calls]
+    # a typed output and an enforced call of a tool the target never learnt to call: both parse, as the grammar makes them
+    assert isinstance(verdict, Verdict) and result in ("reading fast", "reading slow")
+    assert constrained[0]["response_format"]["type"] == "json_schema" and constrained[0]["response_format"]["json_schema"]["strict"]
+    assert constrained[1]["tool_choice"] == "required" and [t["function"]["name"] for t in constrained[1]["tools"]] == ["set_mode"]

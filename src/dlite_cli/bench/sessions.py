@@ -38,6 +38,7 @@ from ..core.errors import DliteError
 from ..core.processes import free_port, started
 from ..core.progress import progress_bar
 from ..data.workloads import Episode, Unavailable, episode_key, load, select
+from ..decoding.grammar import Grammars
 from ..decoding.methods import checkpoint_of, known_method, parse_method
 from ..models.chat import chat_prompt_ids
 from ..models.targets import load_target_config, load_tokenizer, prepare_target
@@ -54,6 +55,7 @@ class Session:
     id: str  # workload/episode id
     workload: str
     turns: list[list[dict]]  # messages appended before each assistant turn
+    tools: list[dict]  # the tools its system prompt describes, as OpenAI's (none where the workload does not say)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class SessionsPlan:
     turns: int  # per session, at most
     max_tokens: int  # per reply
     url: str | None = None  # a running server to measure instead of starting dlite's
+    tool_choice: str | None = None  # auto, required: each session's tools sent with it (None: its messages alone)
 
 
 def agent_sessions(count: int, turns: int, fits=lambda episode: True) -> list[Session]:
@@ -75,9 +78,9 @@ def agent_sessions(count: int, turns: int, fits=lambda episode: True) -> list[Se
         loaded = load(workload, None, EPISODES_READ)
         if isinstance(loaded, Unavailable):
             continue
-        episodes = [e for e in loaded[0] if fits(Episode(e.id, e.turns[:turns]))]
+        episodes = [e for e in loaded[0] if fits(Episode(e.id, e.turns[:turns], e.tools))]
         need = min(turns, max((len(e.turns) for e in episodes), default=0))
-        pools.append([Session(f"{workload.name}/{e.id}", workload.name, e.turns[:need]) for e in episodes if len(e.turns) >= need > 0])
+        pools.append([Session(f"{workload.name}/{e.id}", workload.name, e.turns[:need], e.tools) for e in episodes if len(e.turns) >= need > 0])
     sessions = [pool[i] for i in range(max(map(len, pools), default=0)) for pool in pools if i < len(pool)]
     if len(sessions) < count:
         raise DliteError(f"only {len(sessions)} agent sessions fit here, {count} asked for")
@@ -91,12 +94,16 @@ def sessions_key(sessions: list[Session]) -> str:
 # ---------------------------------------------------------------- the client
 
 
-def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed greedy chat completion → its text, time to first token, chunk gaps, latency (s) and usage.  Sent
-    again, up to RETRIES times, where the connection failed (a server may close a kept-alive connection between
-    requests without saying so; the openai SDK retries the same way)."""
+def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int, tools: list[dict] | None = None,
+                tool_choice: str | None = None) -> dict:
+    """One streamed greedy chat completion (offering ``tools`` with ``tool_choice``, where given) → its text, tool
+    calls, time to first token, chunk gaps, latency (s) and usage.  Sent again, up to RETRIES times, where the
+    connection failed (a server may close a kept-alive connection between requests without saying so; the openai SDK
+    retries the same way)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if tools:
+        body |= {"tools": tools, "tool_choice": tool_choice}
     for attempt in itertools.count():
         try:
             return streamed(client, url, body)
@@ -107,7 +114,7 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 def streamed(client: httpx.Client, url: str, body: dict) -> dict:
     """One try of :func:`stream_turn`."""
-    start, stamps, text, usage = time.perf_counter(), [], "", {}
+    start, stamps, text, usage, calls, stats = time.perf_counter(), [], "", {}, {}, {}
     with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise DliteError(f"{url} answered HTTP {response.status_code}: {response.read().decode()[:300]}")
@@ -115,35 +122,55 @@ def streamed(client: httpx.Client, url: str, body: dict) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            piece = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
-            if piece:
+            usage, stats = event.get("usage") or usage, event.get("dlite") or stats  # dlite's server: its acceptance statistics
+            deltas = [c["delta"] for c in event.get("choices", [])]
+            piece = "".join(d.get("content") or "" for d in deltas)
+            for call in (call for d in deltas for call in d.get("tool_calls") or []):  # a call whole, or its name then its arguments in pieces
+                name, arguments = calls.get(call["index"], ("", ""))
+                function = call.get("function") or {}
+                calls[call["index"]] = (name + (function.get("name") or ""), arguments + (function.get("arguments") or ""))
+            if piece or any(d.get("tool_calls") for d in deltas):
                 stamps.append(time.perf_counter())
                 text += piece
     details = usage.get("prompt_tokens_details") or {}
-    return {"text": text, "ttft_s": stamps[0] - start if stamps else None, "gaps_s": [b - a for a, b in itertools.pairwise(stamps)],
+    return {"text": text, "calls": [list(calls[i]) for i in sorted(calls)], "ttft_s": stamps[0] - start if stamps else None,
+            "gaps_s": [b - a for a, b in itertools.pairwise(stamps)],
             "latency_s": time.perf_counter() - start, "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens"), "completion_tokens": usage.get("completion_tokens")}
+            "cached_tokens": details.get("cached_tokens"), "completion_tokens": usage.get("completion_tokens"),
+            "tau": stats.get("tau"), "rounds": stats.get("rounds")}
 
 
-def play(client: httpx.Client, url: str, model: str, session: Session, max_tokens: int, done) -> list[dict]:
-    """A session's turns, one after the other, each reply appended to the conversation → a record per turn.  A turn
-    that fails is recorded with its reason (``error``), and the session ends there: its conversation cannot go on."""
+def play(client: httpx.Client, url: str, model: str, session: Session, max_tokens: int, tool_choice: str | None, valid, done) -> list[dict]:
+    """A session's turns, one after the other, each reply appended to the conversation → a record per turn (with
+    ``tool_choice``, the session's tools are offered, and ``valid(calls, tools)`` says whether the reply's calls are
+    calls of them with valid arguments).  A turn that fails is recorded with its reason (``error``), and the session
+    ends there: its conversation cannot go on."""
     messages, records = [], []
+    tools = session.tools if tool_choice else None
     for index, turn in enumerate(session.turns):
         messages += turn
         where = {"session": session.id, "workload": session.workload, "turn": index}
         try:
-            record = stream_turn(client, url, model, messages, max_tokens)
+            record = stream_turn(client, url, model, messages, max_tokens, tools, tool_choice)
         except (httpx.HTTPError, DliteError, ValueError) as e:
             records.append({**where, "error": f"{type(e).__name__}: {e}"})
             done(len(session.turns) - index)
             break
-        messages.append({"role": "assistant", "content": record["text"]})
+        messages.append(assistant_message(record["text"], record["calls"], index))
         text = record.pop("text")
+        if tools:
+            record["valid_calls"] = valid(record["calls"], tools)
         records.append({**where, **record, "text_sha": hashlib.sha1(text.encode()).hexdigest()[:12], "text": text})
         done(1)
     return records
+
+
+def assistant_message(text: str, calls: list[list[str]], turn: int) -> dict:
+    """A reply as the next turn sends it back: its text, and its tool calls, if it made any."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": [
+        {"id": f"call_{turn}_{i}", "type": "function", "function": {"name": name, "arguments": arguments}} for i, (name, arguments) in enumerate(calls)]}
 
 
 def failed_turns(record: dict) -> list[dict]:
@@ -156,8 +183,9 @@ def answered_turns(record: dict) -> list[dict]:
     return [t for t in record["turns"] if "error" not in t]
 
 
-def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: int, label: str) -> dict:
-    """Every session against ``url``, ``concurrency`` at a time → {"wall_s", "model", "turns": [per turn]}."""
+def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: int, label: str, tool_choice: str | None = None, valid=None) -> dict:
+    """Every session against ``url``, ``concurrency`` at a time (offering its tools with ``tool_choice``, where given;
+    ``valid`` as :func:`play` takes it) → {"wall_s", "model", "turns": [per turn]}."""
     with httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
         try:
             model = client.get(url + "/v1/models").json()["data"][0]["id"]
@@ -168,7 +196,7 @@ def run_level(url: str, sessions: list[Session], concurrency: int, max_tokens: i
         with progress_bar(f"{label}, {concurrency} at once", total) as bar:
             start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
-                played = list(pool.map(lambda s: play(client, url, model, s, max_tokens, lambda n: bar.update(advance=n)), sessions))
+                played = list(pool.map(lambda s: play(client, url, model, s, max_tokens, tool_choice, valid, lambda n: bar.update(advance=n)), sessions))
             wall = time.perf_counter() - start
     return {"wall_s": wall, "model": model, "turns": [t for turns in played for t in turns]}
 
@@ -193,9 +221,9 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
     tokenizer = load_tokenizer(prepared)
     room = load_target_config(prepared).max_position_embeddings
 
-    def fits(episode: Episode) -> bool:  # its messages and every reply (and its turn's markers) in the target's context
-        messages = [m for turn in episode.turns for m in turn]
-        return len(chat_prompt_ids(tokenizer, messages, config.target.thinking)) + plan.turns * (plan.max_tokens + 8) <= room
+    def fits(episode: Episode) -> bool:  # its messages, tools and every reply (and its turn's markers) in the target's context
+        messages, tools = [m for turn in episode.turns for m in turn], episode.tools if plan.tool_choice else None
+        return len(chat_prompt_ids(tokenizer, messages, config.target.thinking, tools)) + plan.turns * (plan.max_tokens + 8) <= room
 
     sessions = agent_sessions(plan.sessions, plan.turns, fits)
     # an unknown or missing drafter is refused before any server starts
@@ -204,6 +232,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
     recorded = {"plan": dataclasses.asdict(plan), "sessions": [s.id for s in sessions]}
     stage.begin(config_hash(recorded), recorded, {"target": prepared.fingerprint}, keyed=True)
     runs_path = stage.dir / "runs.jsonl"
+    valid = calls_checker(tokenizer) if plan.tool_choice else None
     stored = {} if force else {r["key"]: r for r in read_lines(runs_path) if not failed_turns(r)}  # a run with failed turns is run again
     where = hardware(resolve_device(config.target.device))  # where dlite's servers run
     setting = {"target": prepared.fingerprint, "hardware": where, "sessions": sessions_key(sessions), "max_tokens": plan.max_tokens,
@@ -214,7 +243,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
         for level in plan.concurrency:
             key = config_hash(setting, {"method": method, "concurrency": level, "drafter": fingerprint_dir(directory) if directory else None})
             if key not in stored:
-                server, measured = measure(method, level, sessions, plan, target, run_dir, overrides, stage.dir)
+                server, measured = measure(method, level, sessions, plan, target, run_dir, overrides, stage.dir, valid)
                 stored[key] = {"key": key, "method": method, "concurrency": level, "server": server, "hardware": where, **measured}
                 append_line(runs_path, stored[key])
                 if failed := failed_turns(stored[key]):
@@ -231,15 +260,27 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
 
 
 def measure(method: str, level: int, sessions: list[Session], plan: SessionsPlan, target: str, run_dir: Path, overrides: list[str],
-            logs: Path) -> tuple[str, dict]:
+            logs: Path, valid=None) -> tuple[str, dict]:
     """One run: the sessions, ``level`` at a time, against ``plan.url`` or a fresh ``dlite serve`` for ``method`` (its log
-    in ``logs``) → the server (URL or command line) and the measurements."""
+    in ``logs``) → the server (URL or command line) and the measurements (``valid`` as :func:`play` takes it)."""
     if plan.url:
-        return plan.url, run_level(plan.url, sessions, level, plan.max_tokens, method)
+        return plan.url, run_level(plan.url, sessions, level, plan.max_tokens, method, plan.tool_choice, valid)
     port = free_port()
     argv = dlite_serve_argv(method, target, run_dir, overrides, port)
     with started(argv, logs / f"serve-{method.replace(':', '-')}-{level}.log", port) as server:
-        return " ".join(["dlite", *argv[3:]]), run_level(server.url, sessions, level, plan.max_tokens, method)
+        return " ".join(["dlite", *argv[3:]]), run_level(server.url, sessions, level, plan.max_tokens, method, plan.tool_choice, valid)
+
+
+def calls_checker(tokenizer):
+    """``valid(calls, tools)``: whether a reply's calls ([name, arguments JSON]) are at least one, each of one of
+    ``tools`` with arguments valid under its parameters' schema."""
+    grammars = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+
+    def valid(calls: list[list[str]], tools: list[dict]) -> bool:
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+        return bool(calls) and all(name in schemas and grammars.valid_json(arguments, schemas[name]) for name, arguments in calls)
+
+    return valid
 
 
 # ---------------------------------------------------------------- the table
@@ -282,6 +323,10 @@ def summarize(record: dict, plain: dict | None) -> dict:
            "reuse_mean": statistics.mean(reuse) if reuse else None, "kept_mean": statistics.mean(kept) if kept else None,
            "kept_min": min(kept) if kept else None,
            "prompt_tokens": statistics.mean([t["prompt_tokens"] for t in turns if t["prompt_tokens"]] or [0]), "turns": len(turns)}
+    counted = [t for t in turns if t.get("rounds")]  # dlite's server reports its rounds
+    row["tau"] = sum(t["tau"] * t["rounds"] for t in counted) / sum(t["rounds"] for t in counted) if counted else None
+    offered = [t for t in turns if "valid_calls" in t]  # turns that offered tools
+    row["valid_calls"] = sum(t["valid_calls"] for t in offered) / len(offered) if offered else None
     if plain is not None and plain is not record and turns:
         row["speedup"] = row["tokens_per_s"] / tokens_per_s(plain)
         row["interval"] = speedup_interval(by_session(plain), by_session(record))
@@ -296,7 +341,9 @@ def _fmt(value, digits: int = 1, suffix: str = "") -> str:
 
 def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table:
     columns = ["method", "engine", "sessions at once", "completion tok/s", "speedup", "speedup 90% interval", "TTFT first turn s",
-               "TTFT last turn s", "ITL p50 ms", "ITL p99 ms", "cached of prompt", "cached of turn before", "same text as plain", "prompt tokens"]
+               "TTFT last turn s", "ITL p50 ms", "ITL p99 ms", "cached of prompt", "cached of turn before", "same text as plain", "prompt tokens", "τ"]
+    if plan.tool_choice:
+        columns.append("valid tool calls")
     table = Table("sessions", "Agent sessions end to end", columns)
     runs = {(r["method"], r["concurrency"]): r for r in records}
     for record in records:
@@ -310,14 +357,19 @@ def sessions_table(records: list[dict], where: str, plan: SessionsPlan) -> Table
             "ITL p50 ms": _fmt(row["itl_p50_ms"]), "ITL p99 ms": _fmt(row["itl_p99_ms"]),
             "cached of prompt": _fmt(None if row["reuse_mean"] is None else 100 * row["reuse_mean"], 0, " %"), "cached of turn before": kept,
             "same text as plain": _fmt(None if row["same_text"] is None else 100 * row["same_text"], 0, " %"),
-            "prompt tokens": f"{row['prompt_tokens']:.0f}"})
+            "prompt tokens": f"{row['prompt_tokens']:.0f}", "τ": _fmt(row["tau"], 2)})
+        if plan.tool_choice:
+            table.rows[-1]["valid tool calls"] = _fmt(None if row["valid_calls"] is None else 100 * row["valid_calls"], 0, " %")
     workloads = sorted({t["workload"] for r in records for t in r["turns"]})
     table.notes += [
         f"{plan.sessions} sessions ({', '.join(workloads)}) of up to {plan.turns} turns, {plan.max_tokens} tokens a reply, streamed and greedy; "
-        f"each turn resends the whole conversation; served on {where}" + (f" at {plan.url}" if plan.url else ", a fresh `dlite serve` per row") + ".",
+        f"each turn resends the whole conversation; served on {where}" + (f" at {plan.url}" if plan.url else ", a fresh `dlite serve` per row") + "."
+        + (f" Each session with tools (BFCL-v3, ToolTalk) offers them with tool_choice {plan.tool_choice}; valid tool calls: of those turns, the "
+           "replies that are one or more calls of an offered tool with arguments valid under its schema." if plan.tool_choice else ""),
         ("completion tok/s: completion tokens over the run's wall time, prefill included. speedup: against the engine's plain decoding "
          "at the same concurrency; its interval resamples sessions (bootstrap), each paired with plain decoding's."),
-        ("TTFT: median time to the first token of the sessions' first and last turns. ITL: gaps between streamed chunks "
+        ("τ: tokens committed per verify round, as dlite's server reports it (vLLM's does not). "
+         "TTFT: median time to the first token of the sessions' first and last turns. ITL: gaps between streamed chunks "
         "(a speculative round's tokens arrive as one chunk). cached: prompt tokens the server reports as served from its "
         "cache in the turns after the first, as a share of their prompt (the rest is new: a tool's result, the user's "
         "next message), and of the prompt and reply of the turn before (all a cache could hold; mean and least)."),

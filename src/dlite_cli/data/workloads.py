@@ -25,7 +25,7 @@ import json
 import random
 import re
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -60,6 +60,7 @@ LONGBENCH_V2 = "THUDM/LongBench-v2"
 class Episode:
     id: str
     turns: list[list[dict]]  # messages appended before each assistant turn
+    tools: list[dict] = field(default_factory=list)  # the tools its system prompt describes, as OpenAI's tools (where known)
 
 
 @dataclass
@@ -123,12 +124,43 @@ def _conversation(r: dict, i: int) -> Episode:
 
 
 def _bfcl(r: dict, i: int, docs: str = "") -> Episode:
+    """``docs``: the involved classes' function descriptions, a JSON object a line."""
     turns = [[{"role": m["role"], "content": m["content"]} for m in turn] for turn in r["question"]]
     system = "You are an agent that completes the user's requests by calling functions."
     if docs:
         system += f" You can call these functions (answer with calls as JSON):\n{docs}"
     turns[0].insert(0, {"role": "system", "content": system})
-    return Episode(r["id"], turns)
+    functions = [json.loads(line) for line in docs.splitlines() if line.strip()]
+    return Episode(r["id"], turns, [openai_tool(f["name"], f.get("description", ""), json_schema(f.get("parameters", {}))) for f in functions])
+
+
+def openai_tool(name: str, description: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array"}  # BFCL's type names that JSON Schema spells otherwise
+
+
+def json_schema(parameters: dict) -> dict:
+    """BFCL's parameter schema as JSON Schema: its types renamed, ``any`` left untyped, what JSON Schema lacks dropped."""
+    schema = {}
+    for key, value in parameters.items():
+        if key == "type":
+            if value != "any":
+                schema["type"] = BFCL_TYPES.get(value, value)
+        elif key == "properties":
+            schema["properties"] = {name: json_schema(p) for name, p in value.items()}
+        elif key == "items":
+            schema["items"] = json_schema(value)
+        elif key in ("description", "enum", "required", "default"):
+            schema[key] = value
+    return schema
+
+
+def tooltalk_schema(parameters: dict) -> dict:
+    """ToolTalk's parameters ({name: {"type", "description", "required", …}}) as JSON Schema."""
+    properties = {name: {k: v for k, v in p.items() if k in ("type", "description", "enum")} for name, p in parameters.items()}
+    return {"type": "object", "properties": properties, "required": [name for name, p in parameters.items() if p.get("required")]}
 
 
 def tool_turn(name: str, arguments: dict, result) -> list[dict]:
@@ -155,7 +187,8 @@ def _tooltalk(r: dict, i: int) -> Episode:
     if not turns or turns[0][0]["content"].startswith("[tool "):
         raise ValueError("a conversation starts with a user message")
     turns[0].insert(0, {"role": "system", "content": system})
-    return Episode(str(r.get("conversation_id", i)), turns)
+    tools = [openai_tool(t["name"], t["description"], tooltalk_schema(t["parameters"])) for t in r.get("tools", [])]
+    return Episode(str(r.get("conversation_id", i)), turns, tools)
 
 
 def tooltalk_tools(sources: list[str]) -> dict[str, list[dict]]:

