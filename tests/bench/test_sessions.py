@@ -33,9 +33,13 @@ def test_sessions_replay_agent_episodes_through_a_fresh_server_per_run_and_resum
 
 def test_sessions_offer_their_tools_and_an_enforced_tool_choice_makes_every_reply_a_call(run_cli, tmp_path):
     """The micro target is random: only the grammar makes a reply a tool call (one cut by the token budget ends as text)."""
-    run_cli(*SESSIONS, "--methods", "ngram", "--concurrency", "1", "--tool-choice", "required", "--max-tokens", "64")
+    plain = ["sessions", "--target", "micro", "--sessions", "2", "--turns", "3", "--max-tokens", "64", "--concurrency", "1", "--methods", "ngram"]
+    run_cli(*plain)
+    run_cli(*plain, "--tool-choice", "required")  # measured, not taken from the run without tools
     folder = tmp_path / "runs" / "micro" / "sessions"
-    turns = json.loads((folder / "runs.jsonl").read_text())["turns"]
+    runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines()]
+    assert len(runs) == 2 and not any("valid_calls" in t for t in runs[0]["turns"])
+    turns = runs[1]["turns"]
     offered = [t for t in turns if "valid_calls" in t]
     assert offered and {t["workload"] for t in offered} <= {"bfcl_v3", "tooltalk"}
     assert all(t["calls"] or t["text"].startswith('<tool_call>\n{"name": "') for t in offered)

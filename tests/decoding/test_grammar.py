@@ -135,6 +135,18 @@ def test_sampling_under_a_grammar_draws_its_masked_distribution(micro, prompts, 
     assert varied and all(chi_square_passes([r.output_ids[j] for r in requests], expected[j]) for j in varied)
 
 
+def test_json_numbers_have_at_most_16_digits_before_and_after_the_point_and_a_pattern_is_left_alone(grammars):
+    schema = {"type": "object", "properties": {"n": {"type": "number"}, "s": {"type": "string", "pattern": "[0-9]*x"}}, "required": ["n", "s"]}
+    reply = reply_format([], None, {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}, True)
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.grammar(reply).matcher
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts('{"n": ' + "9" * 16 + "." + "1" * 16 + ', "s": "' + "7" * 20 + 'x"}')
+    assert not accepts('{"n": ' + "9" * 17 + ', "s": "x"}') and not accepts('{"n": 0.' + "1" * 17 + ', "s": "x"}')
+
+
 def test_a_format_that_cannot_be_met_is_refused_in_one_sentence(grammars):
     with pytest.raises(DliteError, match="not among the tools"):
         reply_format([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, True)

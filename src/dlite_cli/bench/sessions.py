@@ -235,7 +235,7 @@ def run_sessions(config: Config, target: str, run_dir: Path, overrides: list[str
     valid = calls_checker(tokenizer) if plan.tool_choice else None
     stored = {} if force else {r["key"]: r for r in read_lines(runs_path) if not failed_turns(r)}  # a run with failed turns is run again
     where = hardware(resolve_device(config.target.device))  # where dlite's servers run
-    setting = {"target": prepared.fingerprint, "hardware": where, "sessions": sessions_key(sessions), "max_tokens": plan.max_tokens,
+    setting = {"target": prepared.fingerprint, "hardware": where, "sessions": sessions_key(sessions), "max_tokens": plan.max_tokens, "tool_choice": plan.tool_choice,
                "server": plan.url or {"decode": dataclasses.asdict(config.decode), "suffix": dataclasses.asdict(config.suffix),
                                       "vllm": dataclasses.asdict(config.vllm)}}
     records = []

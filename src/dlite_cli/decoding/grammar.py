@@ -10,13 +10,15 @@ decoding writes plain decoding's text under the grammar, and sampling draws exac
 
 A reply's format (:func:`reply_format`) follows OpenAI's fields: ``response_format`` (``json_object``, ``json_schema``)
 and ``tool_choice`` (``required``, or a named function), a tool call written in the Hermes form the prompt asks for
-(models/chat.py).  A tool call's arguments are compact JSON, as the prompt writes earlier calls, so that more of them is
-forced; a JSON reply is laid out as the model likes, with whitespace runs bounded, so that a small model cannot wander
-off into whitespace.
+(models/chat.py).  A tool call's arguments hold no properties beyond those their schema names, and are compact JSON, as
+the prompt writes earlier calls, so that more of them is forced; a JSON reply is laid out as the model likes, with whitespace runs bounded, so that a small model cannot wander
+off into whitespace; numbers have at most 16 digits before and after the point.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from functools import cached_property
 
 import torch
@@ -25,6 +27,8 @@ from ..core.errors import DliteError
 from ..models.chat import CALL_ARGUMENTS, CALL_HEAD, CALL_TAIL
 
 JSON_WHITESPACE = 16  # enough to indent JSON a few levels deep, too little to wander off into whitespace
+NUMBER_DIGITS = 16  # the most digits a JSON number has before its point, after it, or in its exponent
+NUMBER_RULES = re.compile(r"^(basic_integer|basic_number_\d+) ::= ")  # xgrammar's rules for a JSON number's digits
 
 
 class Grammars:
@@ -60,7 +64,6 @@ class Grammars:
         except (RuntimeError, ValueError) as e:
             raise DliteError(f"the reply's format cannot be compiled into a grammar: {e}") from None
         return Grammar(GrammarMatcher(compiled), self)
-
 
     def valid_json(self, text: str, schema: dict) -> bool:
         """Whether ``text`` is JSON valid under ``schema`` (laid out in any way)."""
@@ -128,7 +131,6 @@ def reply_format(tools: list[dict], tool_choice, response_format: dict | None, p
     anything else (free to call or not); ``response_format``: OpenAI's.  A required or named tool choice is one or more
     tool calls and nothing else (exactly one where a function is named or calls are not parallel); otherwise a JSON
     response format is that JSON, or, where tools are offered, tool calls instead."""
-    calls = None
     if tool_choice == "required" or isinstance(tool_choice, dict):
         if isinstance(tool_choice, dict):
             tools = [t for t in tools if t["function"]["name"] == tool_choice["function"].get("name")]
@@ -137,17 +139,15 @@ def reply_format(tools: list[dict], tool_choice, response_format: dict | None, p
         if not tools:
             raise DliteError("tool_choice requires a tool call, but no tools are given")
         return _structural(_tool_calls(tools, single=isinstance(tool_choice, dict) or not parallel_tool_calls))
-    if tools:
-        calls = _tool_calls(tools, single=not parallel_tool_calls)
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        json = _json({"type": "object"}, strict=False, compact=False)
+        answer = _json({"type": "object"}, strict=False, compact=False)
     else:
         spec = response_format.get("json_schema") or {}
-        json = _json(spec.get("schema", {}), strict=bool(spec.get("strict")), compact=False)
-    return _structural({"type": "or", "elements": [calls, json]} if calls else json)
+        answer = _json(spec.get("schema", {}), strict=bool(spec.get("strict")), compact=False)
+    return _structural({"type": "or", "elements": [_tool_calls(tools, single=not parallel_tool_calls), answer]} if tools else answer)
 
 
 def _structural(format: dict) -> dict:
@@ -155,9 +155,11 @@ def _structural(format: dict) -> dict:
 
 
 def _tool_calls(tools: list[dict], single: bool) -> dict:
-    """One or more Hermes tool calls of ``tools`` (one only if ``single``), a line apart, their arguments valid."""
-    tags = [{"type": "tag", "begin": CALL_HEAD + _dumps(tool["function"]["name"]) + CALL_ARGUMENTS,
-             "content": _json(tool["function"].get("parameters") or {"type": "object"}, strict=False, compact=True), "end": CALL_TAIL}
+    """One or more Hermes tool calls of ``tools`` (one only if ``single``), a line apart, their arguments valid under
+    their tool's parameters with no properties beyond those named there (OpenAI's strict function calling, vLLM's
+    ``--tool-strict-level parameter``): a small model's call otherwise runs on into properties of its own."""
+    tags = [{"type": "tag", "begin": CALL_HEAD + json.dumps(tool["function"]["name"], ensure_ascii=False) + CALL_ARGUMENTS,
+             "content": _json(tool["function"].get("parameters") or {"type": "object"}, strict=True, compact=True), "end": CALL_TAIL}
             for tool in tools]
     return {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True, "stop_after_first": single}
 
@@ -173,10 +175,15 @@ def _json(schema: dict, strict: bool, compact: bool) -> dict:
         grammar = Ebnf.from_json_schema(schema, strict_mode=strict, **layout)
     except (RuntimeError, ValueError) as e:
         raise DliteError(f"the JSON schema cannot be compiled into a grammar: {e}") from None
-    return {"type": "grammar", "grammar": str(grammar)}
+    return {"type": "grammar", "grammar": bounded_numbers(str(grammar))}
 
 
-def _dumps(name: str) -> str:
-    import json
+def bounded_numbers(ebnf: str) -> str:
+    """xgrammar's JSON grammar with at most NUMBER_DIGITS digits before a number's point, after it and in its exponent,
+    as llama.cpp's JSON grammars bound them: a float64 holds no more, and a small model's number cannot run on."""
+    lines = ebnf.splitlines()
+    for i, line in enumerate(lines):
+        if NUMBER_RULES.match(line):  # "[1-9] [0-9]*" before the point, "digits{1, -1}" after it and in the exponent
+            lines[i] = line.replace("[0-9]*", f"[0-9]{{0,{NUMBER_DIGITS - 1}}}").replace("{1, -1}", f"{{1,{NUMBER_DIGITS}}}")
+    return "\n".join(lines)
 
-    return json.dumps(name, ensure_ascii=False)

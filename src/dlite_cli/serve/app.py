@@ -4,10 +4,12 @@
     POST /v1/completions   /v1/chat/completions   (``stream: true`` → server-sent events)
 
 HTTP handlers (asyncio) validate a request (bodies.py), template and tokenize it off the event loop, hand it to the
-engine's worker (worker.py) and await its text as it grows.  A client that goes away cancels its request, which
-frees its slot at once.  Chat requests speak OpenAI's tools protocol: tools reach the prompt through the target's
-chat template or dlite's default (models/chat.py), and ``<tool_call>`` blocks in the output come back as
-``tool_calls``, streamed as deltas.  Fields the server ignores are logged; a refused request, or one the engine
+engine's worker (worker.py), one engine request per choice (``n``), and await its text as it grows, with its tokens'
+log-probabilities where asked.  A client that goes away cancels its requests, which frees their slots at once.  Chat
+requests speak OpenAI's tools protocol: tools reach the prompt through the target's chat template or dlite's default
+(models/chat.py), and ``<tool_call>`` blocks in the output come back as ``tool_calls``, streamed as deltas; a reply
+whose format the request constrains (a JSON response format, an enforced tool choice) is decoded under a grammar
+(decoding/grammar.py).  Fields the server ignores are logged; a refused request, or one the engine
 failed on, gets an OpenAI-style error body; if the worker has stopped, every request gets 503 and ``/health`` says
 why.
 """
