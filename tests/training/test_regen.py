@@ -279,10 +279,14 @@ def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_ro
     prompts = [Prompt("t:1", "tooltalk", first, later_turns=later), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
     ids = [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
 
-    def write(regen):
-        return _generate_batch(prompts, ids, EngineBackend(model, tokenizer, regen), 0, tokenizer, regen, False)
+    def write(regen, backend=None):
+        return _generate_batch(prompts, ids, backend or EngineBackend(model, tokenizer, regen), 0, tokenizer, regen, False)
 
-    trace, chat = write(config.regen)
+    backend = EngineBackend(model, tokenizer, config.regen)
+    trace, chat = write(config.regen, backend)
+    stats = backend.engine.stats  # each later turn found the trace's turn before in its slot, its prompt and its reply
+    assert stats.reused_prompt_tokens >= len(ids[0]) + trace["spans"][0][1] - trace["spans"][0][0] - 1
+    assert f"({stats.reused_prompt_tokens} more found in a slot" in backend.timing()
     assert [m["role"] for m in trace["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert trace["messages"][3:] == [*later[0], trace["messages"][4], *later[1]]
     last_turn = chat_prompt_ids(tokenizer, trace["messages"], False)

@@ -144,7 +144,8 @@ class HFBackend:
 
 class EngineBackend:
     """dlite's own engine (engine.py) without a drafter, on each batch: a row that stops leaves the pass, where
-    transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend)."""
+    transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend).  A
+    trace's next turn finds the one before in the slot it left, as in the server, and prefills only what is new."""
 
     def __init__(self, model, tokenizer, regen: RegenConfig):
         from ..decoding.engine import Engine, stop_tokens_and_text
@@ -156,6 +157,15 @@ class EngineBackend:
 
     def close(self) -> None:
         pass  # the model is the caller's
+
+    def timing(self) -> str:
+        """Where the engine's time went so far: prompt tokens computed and found in a slot, and the prefill's and the
+        decode's rates."""
+        stats = self.engine.stats
+        computed, decode = stats.prompt_tokens - stats.reused_prompt_tokens, stats.draft_seconds + stats.verify_seconds + stats.overhead_seconds
+        return (f"prefill: {computed} prompt tokens computed ({stats.reused_prompt_tokens} more found in a slot, a trace's turns before) in "
+                f"{stats.prefill_seconds:.1f} s, {computed / max(stats.prefill_seconds, 1e-9):.0f} tok/s; decode: {stats.generated_tokens} tokens "
+                f"in {decode:.1f} s, {stats.generated_tokens / max(decode, 1e-9):.0f} tok/s over {stats.steps} batched steps")
 
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
         from ..decoding.requests import Request, SamplingParams
@@ -330,6 +340,8 @@ def run_regen(
         finally:
             generator.close()
         log(f"generated {new_tokens} tokens in {time.time() - started:.1f} s ({rate:.1f} tok/s, backend {regen.backend}; kept original responses not counted)")
+        if isinstance(generator, EngineBackend):
+            log(generator.timing())
     return _finalize(stage, chunks, chunks_dir, source_skips, shard, log)
 
 
