@@ -33,6 +33,8 @@ def test_sessions_replay_agent_episodes_through_a_fresh_server_per_run_and_resum
 
 def test_sessions_offer_their_tools_and_an_enforced_tool_choice_makes_every_reply_a_call(run_cli, tmp_path):
     """The micro target is random: only the grammar makes a reply a tool call (one cut by the token budget ends as text)."""
+    for module in ("xgrammar", "fastapi"):  # dlite's dependencies, absent from a bare GPU machine's python
+        pytest.importorskip(module)
     plain = ["sessions", "--target", "micro", "--sessions", "2", "--turns", "3", "--max-tokens", "64", "--concurrency", "1", "--methods", "ngram"]
     run_cli(*plain)
     run_cli(*plain, "--tool-choice", "required")  # measured, not taken from the run without tools
