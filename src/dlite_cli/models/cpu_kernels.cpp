@@ -29,67 +29,78 @@ using c10::Half;
 constexpr int64_t GROUP = 32;  // weights per group along a row
 constexpr int64_t MAX_GROUPS = 1024;  // the most groups a row may have (K up to 32 768)
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+// A vector is as wide as the machine's registers: GCC keeps a vector wider than those in memory, element by element
+// (on an AVX2 machine 16-float vectors made the 4-bit matmul 10 times slower than float32's)
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#elif defined(__AVX__)
+constexpr int LANES = 8;
+#else
+constexpr int LANES = 4;
+#endif
+constexpr int PARTS = GROUP / LANES;  // vectors a group
+typedef float fvec __attribute__((vector_size(4 * LANES)));
+typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
 
 // ------------------------------------------------------------------------------------------------ vector loads
 
-static inline f32x16 load(const float* p) {
-  f32x16 v;
+static inline fvec load(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-static inline f32x16 load(const BFloat16* p) {  // bfloat16 is float32's upper half
-  i32x16 v;
+static inline fvec load(const BFloat16* p) {  // bfloat16 is float32's upper half
+  ivec v;
 #if defined(__AVX512F__)
   __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
   std::memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+  __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+  std::memcpy(&v, &w, sizeof v);
 #else
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < LANES; ++i) {
     uint16_t bits;
     std::memcpy(&bits, p + i, 2);
     v[i] = int32_t(uint32_t(bits) << 16);
   }
 #endif
-  f32x16 f;
+  fvec f;
   std::memcpy(&f, &v, sizeof f);
   return f;
 }
 
-static inline void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+static inline void store(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
-static inline void store(BFloat16* p, f32x16 v) {
-  for (int i = 0; i < 16; ++i) p[i] = BFloat16(v[i]);
+static inline void store(BFloat16* p, fvec v) {
+  for (int i = 0; i < LANES; ++i) p[i] = BFloat16(v[i]);
 }
 
 template <typename Byte>
-static inline i32x16 widen(const Byte* p) {  // 16 bytes → 16 int32, zero- or sign-extended by Byte
-  i32x16 v;
+static inline ivec widen(const Byte* p) {  // LANES bytes → LANES int32, zero- or sign-extended by Byte
+  ivec v;
 #if defined(__AVX512F__)
   __m128i b = _mm_loadu_si128((const __m128i*)p);
   __m512i w = std::is_signed_v<Byte> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   std::memcpy(&v, &w, sizeof v);
 #elif defined(__AVX2__)
-  __m128i b = _mm_loadu_si128((const __m128i*)p), c = _mm_srli_si128(b, 8);
-  __m256i lo = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-  __m256i hi = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  __m128i b = _mm_loadl_epi64((const __m128i*)p);
+  __m256i w = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  std::memcpy(&v, &w, sizeof v);
 #else
-  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  for (int i = 0; i < LANES; ++i) v[i] = p[i];
 #endif
   return v;
 }
 
-static inline float sum(f32x16 v) {
+static inline float sum(fvec v) {
 #if defined(__AVX512F__)
   __m512 a;
   std::memcpy(&a, &v, sizeof a);
   return _mm512_reduce_add_ps(a);
 #else
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < LANES; ++i) s += v[i];
   return s;
 #endif
 }
@@ -98,61 +109,65 @@ static inline void to_float(const Half* h, int64_t n, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
 #endif
   for (; i < n; ++i) out[i] = float(h[i]);
 }
 
-static inline f32x16 splat(float v) { return f32x16{} + v; }
+static inline fvec splat(float v) { return fvec{} + v; }
 
-// e^x for 16 floats to about an ulp (Cephes' expf: x = k ln 2 + r, a degree-5 polynomial in r, 2^k put in the
+// e^x for a vector of floats to about an ulp (Cephes' expf: x = k ln 2 + r, a degree-5 polynomial in r, 2^k put in the
 // exponent bits); 0 below -87 (and for -inf)
-static inline f32x16 exp16(f32x16 x) {
-  const f32x16 low = splat(-87.f), high = splat(88.f);
-  const f32x16 c = x < low ? low : (x > high ? high : x);
-  const f32x16 y = c * 1.44269504088896341f + 0.5f;
-  f32x16 k = __builtin_convertvector(__builtin_convertvector(y, i32x16), f32x16);  // truncated, then floored
+static inline fvec expv(fvec x) {
+  const fvec low = splat(-87.f), high = splat(88.f);
+  const fvec c = x < low ? low : (x > high ? high : x);
+  const fvec y = c * 1.44269504088896341f + 0.5f;
+  fvec k = __builtin_convertvector(__builtin_convertvector(y, ivec), fvec);  // truncated, then floored
   k = y < k ? k - 1.f : k;
-  const f32x16 r = c - k * 0.693359375f + k * 2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
+  const fvec r = c - k * 0.693359375f + k * 2.12194440e-4f;
+  fvec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
-  f32x16 power;
-  std::memcpy(&power, &bits, 64);
+  const ivec bits = (__builtin_convertvector(k, ivec) + 127) << 23;
+  fvec power;
+  std::memcpy(&power, &bits, sizeof power);
   return x < low ? splat(0.f) : p * power;
 }
 
 // ------------------------------------------------------------------------------------------------ linear layers
 
 // A weight format: ``row(n, scales)`` converts output row n's scales to float32 (q4: [scale, min] per group), and
-// ``group(n, g, scales, w0, w1)`` dequantises its group g with them: w0 the first 16 weights, w1 the last 16.
+// ``group(n, g, scales, w)`` dequantises its group g with them: w[i] holds weights i·LANES .. (i + 1)·LANES − 1.
 struct Q4 {
   const uint8_t* codes;
   const Half* halves;  // (N, K/GROUP, 2)
   int64_t K;
   static constexpr int SCALES = 2;
   void row(int64_t n, float* scales) const { to_float(halves + n * (K / GROUP) * 2, (K / GROUP) * 2, scales); }
-  void group(int64_t n, int64_t g, const float* scales, f32x16& w0, f32x16& w1) const {
-    const i32x16 c = widen(codes + n * K / 2 + g * GROUP / 2);
+  void group(int64_t n, int64_t g, const float* scales, fvec (&w)[PARTS]) const {
+    for (int h = 0; h < PARTS / 2; ++h) {  // byte j: code j in its low nibble, code 16 + j in its high one
+      const ivec c = widen(codes + n * K / 2 + g * GROUP / 2 + h * LANES);
 #if defined(__AVX512F__)  // the group's 16 levels, then each weight looked up: one multiply-add a group, not two
-    const f32x16 levels = f32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * scales[2 * g] + scales[2 * g + 1];
-    __m512 table;
-    __m512i low, high;
-    std::memcpy(&table, &levels, 64);
-    const i32x16 c0 = c & 15, c1 = c >> 4;
-    std::memcpy(&low, &c0, 64);
-    std::memcpy(&high, &c1, 64);
-    const __m512 v0 = _mm512_permutexvar_ps(low, table), v1 = _mm512_permutexvar_ps(high, table);
-    std::memcpy(&w0, &v0, 64);
-    std::memcpy(&w1, &v1, 64);
+      const fvec levels = fvec{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * scales[2 * g] + scales[2 * g + 1];
+      __m512 table;
+      __m512i low, high;
+      std::memcpy(&table, &levels, 64);
+      const ivec c0 = c & 15, c1 = c >> 4;
+      std::memcpy(&low, &c0, 64);
+      std::memcpy(&high, &c1, 64);
+      const __m512 v0 = _mm512_permutexvar_ps(low, table), v1 = _mm512_permutexvar_ps(high, table);
+      std::memcpy(&w[h], &v0, 64);
+      std::memcpy(&w[PARTS / 2 + h], &v1, 64);
 #else
-    w0 = __builtin_convertvector(c & 15, f32x16) * scales[2 * g] + scales[2 * g + 1];
-    w1 = __builtin_convertvector(c >> 4, f32x16) * scales[2 * g] + scales[2 * g + 1];
+      w[h] = __builtin_convertvector(c & 15, fvec) * scales[2 * g] + scales[2 * g + 1];
+      w[PARTS / 2 + h] = __builtin_convertvector(c >> 4, fvec) * scales[2 * g] + scales[2 * g + 1];
 #endif
+    }
   }
 };
 
@@ -162,10 +177,9 @@ struct Q8 {
   int64_t K;
   static constexpr int SCALES = 1;
   void row(int64_t n, float* scales) const { to_float(halves + n * (K / GROUP), K / GROUP, scales); }
-  void group(int64_t n, int64_t g, const float* scales, f32x16& w0, f32x16& w1) const {
+  void group(int64_t n, int64_t g, const float* scales, fvec (&w)[PARTS]) const {
     const int8_t* c = codes + n * K + g * GROUP;
-    w0 = __builtin_convertvector(widen(c), f32x16) * scales[g];
-    w1 = __builtin_convertvector(widen(c + 16), f32x16) * scales[g];
+    for (int i = 0; i < PARTS; ++i) w[i] = __builtin_convertvector(widen(c + i * LANES), fvec) * scales[g];
   }
 };
 
@@ -176,32 +190,33 @@ struct Dense {
   int64_t K;
   static constexpr int SCALES = 0;
   void row(int64_t, float*) const {}
-  void group(int64_t n, int64_t g, const float*, f32x16& w0, f32x16& w1) const {
-    w0 = load(weights + n * K + g * GROUP);
-    w1 = load(weights + n * K + g * GROUP + 16);
+  void group(int64_t n, int64_t g, const float*, fvec (&w)[PARTS]) const {
+    for (int i = 0; i < PARTS; ++i) w[i] = load(weights + n * K + g * GROUP + i * LANES);
   }
 };
 
 // out[m, n] = x[m] · w[n] for the M rows of x (M, K) float32 and the output rows n0..n1.  Each row's products go to
-// two accumulators (a group's first and last 16), so that the sums do not wait on each other, whatever M is.
+// two accumulators (a group's even and odd vectors), so that the sums do not wait on each other, whatever M is.
 template <int M, typename W, typename T>
 static void rows_float(const W& w, const float* x, T* out, int64_t N, int64_t n0, int64_t n1) {
   const int64_t K = w.K;
   float scales[MAX_GROUPS * W::SCALES + 1];
   for (int64_t n = n0; n < n1; ++n) {
     w.row(n, scales);
-    f32x16 first[M], last[M];
-    for (int m = 0; m < M; ++m) first[m] = last[m] = f32x16{};
+    fvec even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = fvec{};
     for (int64_t g = 0; g < K / GROUP; ++g) {
-      f32x16 w0, w1;
-      w.group(n, g, scales, w0, w1);
+      fvec parts[PARTS];
+      w.group(n, g, scales, parts);
       for (int m = 0; m < M; ++m) {
         const float* xg = x + m * K + g * GROUP;
-        first[m] += w0 * load(xg);
-        last[m] += w1 * load(xg + 16);
+        for (int i = 0; i < PARTS; i += 2) {
+          even[m] += parts[i] * load(xg + i * LANES);
+          odd[m] += parts[i + 1] * load(xg + (i + 1) * LANES);
+        }
       }
     }
-    for (int m = 0; m < M; ++m) out[m * N + n] = T(sum(first[m] + last[m]));
+    for (int m = 0; m < M; ++m) out[m * N + n] = T(sum(even[m] + odd[m]));
   }
 }
 
@@ -217,11 +232,11 @@ static void rows_bf16(const W& w, const BFloat16* x, BFloat16* out, int64_t N, i
     __m512 even[M], odd[M];
     for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / GROUP; ++g) {
-      f32x16 w0, w1;
-      w.group(n, g, scales, w0, w1);
+      fvec parts[PARTS];  // 2 of 16
+      w.group(n, g, scales, parts);
       __m512 a0, a1;
-      std::memcpy(&a0, &w0, 64);
-      std::memcpy(&a1, &w1, 64);
+      std::memcpy(&a0, &parts[0], 64);
+      std::memcpy(&a1, &parts[1], 64);
       const __m512bh wg = _mm512_cvtne2ps_pbh(a1, a0);  // elements 0..15 from a0, 16..31 from a1
       for (int m = 0; m < M; ++m) {
         const __m512bh xg = (__m512bh)_mm512_loadu_si512(x + m * K + g * GROUP);
@@ -234,11 +249,15 @@ static void rows_bf16(const W& w, const BFloat16* x, BFloat16* out, int64_t N, i
 }
 #endif
 
-// f(std::integral_constant<int, R>, row) for the rows of a pass in blocks of up to 8
+// The most rows a linear's block takes: their accumulators and a group's weights fit the 16 vector registers AVX2
+// has (AVX-512 has 32)
+constexpr int ROW_BLOCK = LANES == 16 ? 8 : 4;
+
+// f(std::integral_constant<int, R>, row) for the rows of a pass in blocks of up to ROW_BLOCK
 template <typename F>
 static void row_blocks(int64_t M, F f) {
   int64_t r = 0;
-  for (; r + 8 <= M; r += 8) f(std::integral_constant<int, 8>{}, r);
+  for (; r + ROW_BLOCK <= M; r += ROW_BLOCK) f(std::integral_constant<int, ROW_BLOCK>{}, r);
   switch (M - r) {
     case 1: f(std::integral_constant<int, 1>{}, r); break;
     case 2: f(std::integral_constant<int, 2>{}, r); break;
@@ -349,7 +368,7 @@ template <typename T>
 static void silu_mul_row(const T* gate_up, int64_t I, float* gate, T* out) {
   for (int64_t j = 0; j < I; ++j) gate[j] = float(gate_up[j]);
   int64_t j = 0;
-  for (; j + 16 <= I; j += 16) store(gate + j, load(gate + j) / (1.f + exp16(-load(gate + j))));
+  for (; j + LANES <= I; j += LANES) store(gate + j, load(gate + j) / (1.f + expv(-load(gate + j))));
   for (; j < I; ++j) gate[j] = gate[j] / (1.f + std::exp(-gate[j]));
   for (int64_t j = 0; j < I; ++j) out[j] = T(float(T(gate[j])) * float(gate_up[I + j]));
 }
@@ -405,46 +424,46 @@ static void with_head_dim(int64_t d, F f) {
 // scratch.  A query's arithmetic is its own: the same whatever else a pass holds.
 template <int D, int G, typename T>
 static void attend(const float* q, const T* K, const T* V, int64_t n, float scale, float* scores, T* out) {
-  f32x16 query[G][D / 16], acc[G][D / 16];
+  fvec query[G][D / LANES], acc[G][D / LANES];
   float top[G], normaliser[G];
   for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < D / 16; ++j) query[g][j] = load(q + g * D + 16 * j) * scale;
+    for (int j = 0; j < D / LANES; ++j) query[g][j] = load(q + g * D + LANES * j) * scale;
     top[g] = -INFINITY;
   }
   for (int64_t t = 0; t < n; ++t) {
-    f32x16 key[D / 16];
-    for (int j = 0; j < D / 16; ++j) key[j] = load(K + t * D + 16 * j);
+    fvec key[D / LANES];
+    for (int j = 0; j < D / LANES; ++j) key[j] = load(K + t * D + LANES * j);
     for (int g = 0; g < G; ++g) {
-      f32x16 products{};
-      for (int j = 0; j < D / 16; ++j) products += query[g][j] * key[j];
+      fvec products{};
+      for (int j = 0; j < D / LANES; ++j) products += query[g][j] * key[j];
       scores[g * n + t] = sum(products);
       top[g] = std::max(top[g], scores[g * n + t]);
     }
   }
   for (int g = 0; g < G; ++g) {
     float* score = scores + g * n;
-    f32x16 total{};
+    fvec total{};
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-      const f32x16 e = exp16(load(score + t) - top[g]);
+    for (; t + LANES <= n; t += LANES) {
+      const fvec e = expv(load(score + t) - top[g]);
       store(score + t, e);
       total += e;
     }
     for (; t < n; ++t) {  // the last few, one at a time
-      score[t] = exp16(splat(score[t] - top[g]))[0];
+      score[t] = expv(splat(score[t] - top[g]))[0];
       total[0] += score[t];
     }
     normaliser[g] = 1.f / sum(total);
-    for (int j = 0; j < D / 16; ++j) acc[g][j] = f32x16{};
+    for (int j = 0; j < D / LANES; ++j) acc[g][j] = fvec{};
   }
   for (int64_t t = 0; t < n; ++t) {
-    f32x16 value[D / 16];
-    for (int j = 0; j < D / 16; ++j) value[j] = load(V + t * D + 16 * j);
+    fvec value[D / LANES];
+    for (int j = 0; j < D / LANES; ++j) value[j] = load(V + t * D + LANES * j);
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < D / 16; ++j) acc[g][j] += scores[g * n + t] * value[j];
+      for (int j = 0; j < D / LANES; ++j) acc[g][j] += scores[g * n + t] * value[j];
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < D / 16; ++j) store(out + g * D + 16 * j, acc[g][j] * normaliser[g]);
+    for (int j = 0; j < D / LANES; ++j) store(out + g * D + LANES * j, acc[g][j] * normaliser[g]);
 }
 
 // f(std::integral_constant<int, G>) for the query heads a KV head serves (1 to MAX_GROUP)
@@ -583,9 +602,9 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& from_h_in, cons
     for (int64_t b = 0; b < B; ++b) {
       const float* row = logits.data() + b * V;
       const int64_t best = std::max_element(row, row + V) - row;
-      f32x16 sums{};
+      fvec sums{};
       int64_t v = 0;
-      for (; v + 16 <= V; v += 16) sums += exp16(load(row + v) - row[best]);
+      for (; v + LANES <= V; v += LANES) sums += expv(load(row + v) - row[best]);
       float total = sum(sums);
       for (; v < V; ++v) total += std::exp(row[v] - row[best]);
       previous[b] = draft_ids.data_ptr<int64_t>()[best];
