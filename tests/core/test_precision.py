@@ -160,6 +160,20 @@ def test_target_dtype_auto_times_the_work_it_is_loaded_for(cache_dir, monkeypatc
         assert f"; using {str(model.dtype).removeprefix('torch.')}: " in line and "(remembered in " in line
 
 
+def test_a_decode_precision_decision_is_timed_again_for_other_cpu_kernels(cache_dir, monkeypatch):
+    """The kernels' source is part of what a decoding decision was timed with: after an upgrade that changed them, the
+    remembered choice is not reused."""
+    from dlite_cli.models import cpu_kernels, targets
+
+    assert cpu_kernels.VERSION in targets.KERNELS
+    prepared = prepare_target(TargetConfig(model="micro"), log=lambda _: None)
+    lines = []
+    for kernels in (targets.KERNELS, targets.KERNELS, targets.KERNELS.replace("kernels ", "kernels 0000")):
+        monkeypatch.setattr(targets, "KERNELS", kernels)
+        load_model(prepared, "auto", CPU, lines.append, Work("decoding", draft_tokens=3))  # a decision no other test took
+    assert len(lines) == 2 and all("in float32" in line and "in bfloat16" in line for line in lines)  # timed, reused, timed
+
+
 def test_set_takes_a_literal_fields_word_as_the_string_it_names(tmp_path):
     assert load_config("micro", ["train.mixed_precision=no"]).train.mixed_precision == "no"
     assert load_config("micro", ["decode.adaptive=off"]).decode.adaptive is False  # a bool field still reads YAML's words

@@ -27,6 +27,7 @@ import torch
 from ..core.files import cache_dir
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+VERSION = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]  # the kernels' source: a build, and a timing, of other kernels is not theirs
 GROUP = 32  # weights along a row that share a scale (and a minimum): GGUF's Q4_1 and Q8_0
 MAX_HEAD_DIM = 128  # attention takes head dims of a multiple of 16 up to this (as cpu_kernels.cpp says)
 LEVEL_TOLERANCE = 0.25  # a weight lies on a level if within this share of a step of it (and its dtype's rounding)
@@ -53,7 +54,7 @@ def _build(log):
 
     caps = ISA_CAPS.get(torch.backends.cpu.get_cpu_capability(), []) if platform.machine() == "x86_64" else []
     flags = ["-O3", "-march=native", *caps, "-ffp-contract=fast", "-fopenmp"]
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(VERSION.encode() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     directory = cache_dir() / "cpu-kernels" / key
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):

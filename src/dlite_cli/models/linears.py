@@ -25,9 +25,10 @@ import weakref
 
 import torch
 
-from .cpu_kernels import GROUP, QuantizedWeight, kernels, quantized
+from .cpu_kernels import GROUP, VERSION, QuantizedWeight, kernels, quantized
 
-KERNELS = "fused, oneDNN-packed, dlite's CPU kernels (4- and 8-bit where the weights are)"  # how the engine's passes compute: part of what a timed precision decision depends on
+# how the engine's passes compute (the CPU kernels' version too): part of what a timed precision decision depends on
+KERNELS = f"fused, oneDNN-packed, dlite's CPU kernels {VERSION} (4- and 8-bit where the weights are)"
 PACK_ROWS = 8  # the rows oneDNN is told to expect when it chooses a layout: a decode pass's (1 to K + 1 per row)
 PACKABLE = (torch.float32, torch.bfloat16)
 QUANTIZED_ROWS = 16  # the most rows a pass reads a quantised copy for (above, the packed one is the faster)
