@@ -27,7 +27,7 @@ import torch
 from ..core.files import cache_dir
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-VERSION = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]  # the kernels' source: a build, and a timing, of other kernels is not theirs
+VERSION = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]  # the source's digest: in their build's key and a timed decision's
 GROUP = 32  # weights along a row that share a scale (and a minimum): GGUF's Q4_1 and Q8_0
 MAX_HEAD_DIM = 128  # attention takes head dims of a multiple of 16 up to this (as cpu_kernels.cpp says)
 LEVEL_TOLERANCE = 0.25  # a weight lies on a level if within this share of a step of it (and its dtype's rounding)
