@@ -294,6 +294,32 @@ def test_a_shared_header_leaves_a_conversation_in_its_slot_and_a_shared_system_p
     assert following.slot == a.slot and following.stats.reused_prompt_tokens >= len(a.tokens) - 1
 
 
+def test_a_prefix_another_slot_holds_is_copied_and_not_computed_again(micro, prompts):
+    """Two requests that share a long system prompt, admitted together into two slots: the second copies the first's
+    keys and values of it, computes only its own tokens, and both decode as each does alone."""
+    system = prompts[2][:400]
+    a, b = (Request(system + tail, SamplingParams(max_new_tokens=8)) for tail in (prompts[1][:50], prompts[0]))
+    make_engine(micro, NoDrafter(), slots=2, chunk=64).run([a, b])
+    assert a.slot != b.slot
+    assert a.stats.reused_prompt_tokens == 0 and b.stats.reused_prompt_tokens >= 400
+    for request in (a, b):
+        (alone,) = make_engine(micro, NoDrafter(), slots=1).run([Request(request.prompt_ids, SamplingParams(max_new_tokens=8))])
+        assert request.output_ids == alone.output_ids
+
+
+def test_a_copied_prefix_brings_its_features(micro, prompts):
+    """Where every position's features are needed (a history drafter's, the feature pass), a prefix copied from another
+    slot comes with the features that slot kept: the same as a fresh prefill's."""
+    model, _ = micro
+    runner = TargetRunner(model, [0, 1], slots=2, capacity=1024, prefill_chunk=64)
+    shared, own = prompts[2][:300], prompts[1]
+    runner.prefill(0, shared + prompts[0], all_features=True)
+    logits, features, reused = runner.prefill(1, shared + own, all_features=True)
+    fresh_logits, fresh_features, _ = TargetRunner(model, [0, 1], slots=1, capacity=1024, prefill_chunk=64).prefill(0, shared + own, all_features=True)
+    assert reused >= 300 and features.shape == fresh_features.shape
+    assert torch.allclose(features, fresh_features, atol=1e-5) and torch.allclose(logits, fresh_logits, atol=1e-4)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_others_rounds(micro, prompts, reference):
     """While a row decodes, each step runs one chunk of an arriving prompt and then the row's round, so the row gains
     a token every step."""

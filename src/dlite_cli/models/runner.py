@@ -140,11 +140,7 @@ class TargetRunner:
         the slot kept.  ``reach``: the most tokens the request may come to hold (prompt, token budget, a last
         draft), which the static path sizes its passes by."""
         self.reach[slot] = reach
-        reused = self.reusable(slot, prompt, all_features)
-        if self.width > 1 and self.keys[0].dtype != torch.float32:
-            # from a chunk boundary: a position is then computed in the same chunk as by a fresh prefill, which
-            # fixed-width passes in a lower precision need for the same result (their matmuls round by shape)
-            reused -= reused % self.prefill_chunk
+        reused = self._aligned(self.reusable(slot, prompt, all_features))
         self.truncate(slot, reused)
         return Prefill(self, slot, prompt, all_features, reused)
 
@@ -155,6 +151,31 @@ class TargetRunner:
         if all_features:
             held = held[: 0 if self.features[slot] is None else len(self.features[slot])]
         return common_prefix(held, prompt[:-1])
+
+    def _aligned(self, reused: int) -> int:
+        """``reused`` prompt tokens cut back to a chunk boundary where fixed-width passes run below float32: a position is
+        then computed in the same chunk as by a fresh prefill, which they need for the same result (their matmuls round
+        by shape)."""
+        if self.width > 1 and self.keys[0].dtype != torch.float32:
+            return reused - reused % self.prefill_chunk
+        return reused
+
+    def borrow(self, slot: int, prompt: list[int], held: int, all_features: bool) -> tuple[int, torch.Tensor | None]:
+        """Copy into ``slot``, which holds ``prompt``'s first ``held`` tokens, the longest prefix of it that another slot
+        holds, where that is longer (requests that share a system prompt and tools, traces of one data set): its keys and
+        values, so that a shared prefix is computed once whichever slots its requests take.  → how many tokens it copied
+        (0: no slot holds more) and, with ``all_features``, their features (n, S, H)."""
+        others = [other for other in range(self.slots) if other != slot]
+        lengths = [self._aligned(self.reusable(other, prompt, all_features)) for other in others]
+        length = max(lengths, default=0)
+        if length <= held:
+            return 0, None
+        source = others[lengths.index(length)]
+        for keys, values in zip(self.keys, self.values):
+            keys[slot, :, held:length] = keys[source, :, held:length]
+            values[slot, :, held:length] = values[source, :, held:length]
+        self.commit(slot, prompt[held:length])
+        return length - held, self.features[source][held:length] if all_features else None
 
     def verify(self, slots: list[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (B, Q) after ``slots``' held tokens on this runner's path → logits (B', Q, V),
@@ -296,8 +317,12 @@ class Prefill:
         return self.position == len(self.prompt)
 
     def step(self) -> None:
-        """Compute the next chunk of the prompt into the slot."""
+        """Compute the next chunk of the prompt into the slot, after copying what another slot holds of it."""
         runner = self.runner
+        copied, features = runner.borrow(self.slot, self.prompt, self.position, self.all_features)
+        self.position, self.reused = self.position + copied, self.reused + copied
+        if features is not None:
+            self.features.append(features)
         chunk = self.prompt[self.position : self.position + runner.prefill_chunk]
         logits, features = runner.forward([self.slot], torch.tensor([chunk], device=runner.device), logits_at_last=True,
                                           features_at_last=not self.all_features)
