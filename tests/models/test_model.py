@@ -7,8 +7,9 @@ from dlite_cli.core.config import DrafterConfig, MicroConfig, TargetConfig, load
 from dlite_cli.core.errors import DliteError
 from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec, History, grouped_attention, select_layers
 from dlite_cli.models.release import load_drafter
+from dlite_cli.models.runner import TargetRunner
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.training.features import FeatureCache, LayerCapture, Sequence, length_batches, target_pass
+from dlite_cli.training.features import FeatureCache, LayerCapture, Sequence, engine_passes, length_batches, target_pass
 from dlite_cli.training.losses import position_weights
 from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
@@ -228,6 +229,29 @@ def test_a_feature_pass_computes_p_t_where_training_reads_it_and_nowhere_else(ta
     assert torch.allclose(sequence.top_probs[read], probs[read].cpu(), atol=1e-5) and torch.equal(sequence.top_ids[read], top[read].int().cpu())
     skipped = torch.ones(24, dtype=torch.bool).index_fill_(0, read, False)
     assert not sequence.top_probs[skipped].any() and not sequence.top_ids[skipped].any() and sequence.features.shape[0] == 24
+
+
+def test_the_engines_feature_pass_gives_a_target_passs_features_and_computes_a_shared_prefix_once(target):
+    """Three sequences, two of them sharing their first 40 tokens (traces that share a system prompt): the engine's
+    prefill gives each the features and p^T of a target pass over it alone, and computes the shared prefix once."""
+    layers = select_layers(target.config.num_hidden_layers, 3)
+    shared = list(range(10, 50))
+    records = [{"input_ids": shared + list(range(60, 80)), "prompt_len": 45, "spans": [[45, 52], [55, 60]]},
+               {"input_ids": list(range(100, 130)), "prompt_len": 20},
+               {"input_ids": shared + list(range(90, 100)), "prompt_len": 42}]
+    runner = TargetRunner(target, sorted({*layers, target.config.num_hidden_layers}), 1, 128, prefill_chunk=16)
+    sequences, computed = engine_passes(runner, layers, records, top_k=8)
+    assert computed == 60 + 10 + 30
+    capture = LayerCapture(target, layers)
+    try:
+        for record, sequence in zip(records, sequences):
+            alone = target_pass(target, capture, [record], top_k=8)[0]
+            read = alone.scored_positions()
+            assert torch.equal(sequence.input_ids, alone.input_ids) and sequence.responses() == alone.responses()
+            assert torch.allclose(sequence.features, alone.features.cpu(), atol=1e-5)
+            assert torch.allclose(sequence.top_probs, alone.top_probs, atol=1e-5) and torch.equal(sequence.top_ids[read], alone.top_ids[read])
+    finally:
+        capture.remove()
 
 
 def test_anchors_and_labels_of_a_trace_stay_inside_its_replies():

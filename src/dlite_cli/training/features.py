@@ -31,7 +31,7 @@ from ..core.config import Config, config_hash
 from ..core.errors import DliteError
 from ..core.files import atomic_path
 from ..core.progress import progress_bar
-from ..models.linears import pack_modules
+from ..models.runner import TargetRunner
 from .losses import dropped_mass
 from .regen import iter_records, spans_of
 
@@ -126,6 +126,32 @@ def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int,
     return [computed[i] for i in range(len(records))]
 
 
+@torch.no_grad()
+def engine_passes(runner: TargetRunner, layer_ids: list[int], records: list[dict], top_k: int) -> tuple[list[Sequence], int]:
+    """The features and p^T of ``records`` by the decoding engine's prefill (``runner``: one slot, capturing ``layer_ids``
+    and the final norm's output, id L, through which p^T is read), one sequence at a time in order of their ids: each
+    computes only what the slot does not hold already, the prefix it shares with the one before (the traces of a data
+    set share their system prompt and tools).  No sequence is padded; p^T is computed where training reads it, as in
+    :func:`target_pass`.  → their Sequences in the records' order (features on the host, in the target's dtype), and
+    how many tokens were computed."""
+    final = runner.capture_layers.index(len(runner.layers))
+    columns = [runner.capture_layers.index(i) for i in layer_ids]
+    computed, out = 0, {}
+    for i in sorted(range(len(records)), key=lambda i: records[i]["input_ids"]):
+        record = records[i]
+        ids, length = record["input_ids"], len(record["input_ids"])
+        _, features, reused = runner.prefill(0, ids, all_features=True)
+        computed += length - reused
+        sequence = Sequence(torch.tensor(ids), record["prompt_len"], features[:, columns].cpu(), torch.zeros(length, top_k),
+                            torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
+        read = sequence.scored_positions()
+        logits = runner.linears.lm_head(features[read.to(features.device), final][None])[0]
+        probs, top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+        sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
+        out[i] = sequence
+    return [out[i] for i in range(len(records))], computed
+
+
 def length_batches(lengths: list[int], batch: int) -> list[list[int]]:
     """Indices of sequences of these ``lengths`` grouped for batched passes, in order of length: at most ``batch`` a
     pass, none padded to more than twice its own length (as a chat beside an agent trace would be), and a sequence of
@@ -162,23 +188,24 @@ class FeatureCache:
             return
         shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]
         done = sum(len(s) for i, s in enumerate(shards) if self._shard_path(i).exists())
-        capture = LayerCapture(target_model, layer_ids)
-        pack_modules(target_model)
-        try:
-            with progress_bar("target features", total=len(records), completed=done) as bar:
-                for index, shard in enumerate(shards):
-                    if self._shard_path(index).exists():
-                        continue
-                    self._write_shard(index, target_passes(target_model, capture, shard, train.target_top_k, train.target_batch))
-                    done += len(shard)
-                    bar.update(advance=len(shard))
-                    self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
-        finally:
-            capture.remove()
+        runner = TargetRunner(target_model, sorted({*layer_ids, len(target_model.model.layers)}), 1,
+                              max(len(r["input_ids"]) for r in records) + 1, config.decode.prefill_chunk)
+        computed = 0
+        with progress_bar("target features", total=len(records), completed=done) as bar:
+            for index, shard in enumerate(shards):
+                if self._shard_path(index).exists():
+                    continue
+                sequences, shard_computed = engine_passes(runner, layer_ids, shard, train.target_top_k)
+                self._write_shard(index, sequences)
+                done, computed = done + len(shard), computed + shard_computed
+                bar.update(advance=len(shard))
+                self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
         tokens = sum(len(r["input_ids"]) for r in records)
         dropped = self._dropped_mass()
-        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards), "top_k_dropped_mass": dropped})
-        log(f"cached target features for {len(records)} sequences ({tokens} tokens) in {self.stage.dir}; "
+        self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards), "top_k_dropped_mass": dropped,
+                                   "computed_tokens": computed})
+        log(f"cached target features for {len(records)} sequences ({tokens} tokens, {computed} computed by this run, the rest shared "
+            f"with the sequence before or cached) in {self.stage.dir}; "
             f"p^T mass outside the top-{train.target_top_k}: mean {dropped['mean']:.4f}, p99 {dropped['p99']:.4f} "
             "(the most the sparse TV loss can differ from the full one per position)")
 
