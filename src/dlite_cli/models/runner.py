@@ -317,12 +317,14 @@ class Prefill:
         return self.position == len(self.prompt)
 
     def step(self) -> None:
-        """Compute the next chunk of the prompt into the slot, after copying what another slot holds of it."""
+        """Compute the next chunk of the prompt into the slot; before the first, copy what another slot holds of it (prefills
+        run one after another, so no slot holds more of it later)."""
         runner = self.runner
-        copied, features = runner.borrow(self.slot, self.prompt, self.position, self.all_features)
-        self.position, self.reused = self.position + copied, self.reused + copied
-        if features is not None:
-            self.features.append(features)
+        if self.logits is None:
+            copied, copied_features = runner.borrow(self.slot, self.prompt, self.position, self.all_features)
+            self.position, self.reused = self.position + copied, self.reused + copied
+            if copied_features is not None:
+                self.features.append(copied_features)
         chunk = self.prompt[self.position : self.position + runner.prefill_chunk]
         logits, features = runner.forward([self.slot], torch.tensor([chunk], device=runner.device), logits_at_last=True,
                                           features_at_last=not self.all_features)
