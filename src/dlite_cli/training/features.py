@@ -105,16 +105,23 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
     device = next(model.parameters()).device
     hidden = model.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).last_hidden_state  # (B, W, H)
     features = capture.stacked()
-    out = []
-    for row, record in enumerate(records):
-        length = len(record["input_ids"])
-        sequence = Sequence(input_ids[row, :length], record["prompt_len"], features[row, :length].clone(), torch.zeros(length, top_k),
-                            torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
-        read = sequence.scored_positions()
-        probs, top = torch.softmax(model.get_output_embeddings()(hidden[row, read.to(device)]).float(), dim=-1).topk(top_k, dim=-1)
-        sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
-        out.append(sequence)
-    return out
+    head = model.get_output_embeddings()
+    return [scored_sequence(record, features[row, : len(record["input_ids"])].clone(), top_k,
+                            lambda read, row=row: head(hidden[row, read.to(device)]))
+            for row, record in enumerate(records)]
+
+
+def scored_sequence(record: dict, features: torch.Tensor, top_k: int, logits_at) -> Sequence:
+    """A regen record's Sequence from a target pass over it: its ``features`` (T, S, H), and p^T where training reads it,
+    from the position before each response to its end (zeros elsewhere), as ``logits_at(positions (n,)) → (n, V)`` gives
+    the target's logits there."""
+    length = len(record["input_ids"])
+    sequence = Sequence(torch.tensor(record["input_ids"]), record["prompt_len"], features, torch.zeros(length, top_k),
+                        torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
+    read = sequence.scored_positions()
+    probs, top = torch.softmax(logits_at(read).float(), dim=-1).topk(top_k, dim=-1)
+    sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
+    return sequence
 
 
 def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
@@ -139,16 +146,10 @@ def engine_passes(runner: TargetRunner, layer_ids: list[int], records: list[dict
     computed, out = 0, {}
     for i in sorted(range(len(records)), key=lambda i: records[i]["input_ids"]):
         record = records[i]
-        ids, length = record["input_ids"], len(record["input_ids"])
-        _, features, reused = runner.prefill(0, ids, all_features=True)
-        computed += length - reused
-        sequence = Sequence(torch.tensor(ids), record["prompt_len"], features[:, columns].cpu(), torch.zeros(length, top_k),
-                            torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
-        read = sequence.scored_positions()
-        logits = runner.linears.lm_head(features[read.to(features.device), final][None])[0]
-        probs, top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-        sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
-        out[i] = sequence
+        _, features, reused = runner.prefill(0, record["input_ids"], all_features=True)
+        computed += len(record["input_ids"]) - reused
+        out[i] = scored_sequence(record, features[:, columns].cpu(), top_k,
+                                 lambda read: runner.linears.lm_head(features[read.to(features.device), final][None])[0])
     return [out[i] for i in range(len(records))], computed
 
 
