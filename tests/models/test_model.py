@@ -9,7 +9,7 @@ from dlite_cli.models.model import FULL_HISTORY, Drafter, DrafterSpec, History, 
 from dlite_cli.models.release import load_drafter
 from dlite_cli.models.runner import TargetRunner
 from dlite_cli.models.targets import load_model, prepare_target
-from dlite_cli.training.features import FeatureCache, LayerCapture, Sequence, engine_passes, length_batches, target_pass
+from dlite_cli.training.features import FeatureCache, LayerCapture, Sequence, engine_passes, length_batches, target_pass, write_sequences
 from dlite_cli.training.losses import position_weights
 from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
@@ -205,7 +205,7 @@ def test_the_feature_cache_keeps_each_sequences_response_spans(tmp_path):
     cache.stage.begin("digest", {"layers": [0, 1, 2], "top_k": 2}, {}, False)
     trace = Sequence(torch.arange(12), 2, torch.zeros(12, 3, 8), torch.full((12, 2), 0.5), torch.zeros(12, 2).int(), spans=[[2, 5], [8, 12]])
     chat = Sequence(torch.arange(6), 1, torch.zeros(6, 3, 8), torch.full((6, 2), 0.5), torch.zeros(6, 2).int())
-    cache._write_shard(0, [trace, chat])
+    write_sequences(tmp_path / "features" / "00000.safetensors", [trace, chat])
     assert [s.responses() for s in cache.load(require_done=False)] == [[[2, 5], [8, 12]], [[1, 6]]]
 
 
@@ -215,15 +215,15 @@ def test_a_feature_pass_never_pads_a_chat_to_an_agent_traces_length_and_passes_a
 
 
 def test_a_feature_pass_computes_p_t_where_training_reads_it_and_nowhere_else(target):
-    """A trace of 24 tokens with replies [5, 9) and [14, 20): p^T from position 4 to 8 and 13 to 19, as the full LM head
-    gives it there; zeros over the prompt, the tool result and the tail."""
+    """A trace of 24 tokens with replies [5, 9) and [14, 20): p^T at the position before each reply token, 4 to 7 and 13
+    to 18, as the full LM head gives it there; zeros over the prompt, the tool result and the tail."""
     ids = list(range(10, 34))
     capture = LayerCapture(target, select_layers(target.config.num_hidden_layers, 3))
     try:
         sequence = target_pass(target, capture, [{"input_ids": ids, "prompt_len": 5, "spans": [[5, 9], [14, 20]]}], top_k=8)[0]
     finally:
         capture.remove()
-    read = torch.tensor([4, 5, 6, 7, 8, 13, 14, 15, 16, 17, 18, 19])
+    read = torch.tensor([4, 5, 6, 7, 13, 14, 15, 16, 17, 18])
     with torch.no_grad():
         probs, top = torch.softmax(target(torch.tensor([ids], device=DEVICE)).logits[0].float(), -1).topk(8, -1)
     assert torch.allclose(sequence.top_probs[read], probs[read].cpu(), atol=1e-5) and torch.equal(sequence.top_ids[read], top[read].int().cpu())

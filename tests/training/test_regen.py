@@ -16,7 +16,9 @@ from dlite_cli.data.prompts import Prompt, plan_prompts
 from dlite_cli.data.split import is_heldout
 from dlite_cli.models.chat import chat_prompt_ids
 from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
-from dlite_cli.training.regen import EngineBackend, _generate_batch, parse_shard, written_spans
+from dlite_cli.models.runner import TargetRunner
+from dlite_cli.training.features import engine_passes, kept_sequences, read_sequences
+from dlite_cli.training.regen import EngineBackend, _generate_batch, kept_feature_files, parse_shard, written_spans
 
 
 def chunk_records(run: Path) -> dict[str, dict]:
@@ -295,6 +297,49 @@ def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_ro
     assert "spans" not in chat and chat == write(config.regen)[1]  # a single-turn prompt's record is as it was
     cut = write(dataclasses.replace(config.regen, max_length=len(last_turn)))[0]  # the last turn's context leaves no room
     assert [m["role"] for m in cut["messages"]][-2:] == ["assistant", "user"] and len(cut["messages"]) == 4
+
+
+def test_the_engine_keeps_each_records_features_and_p_t_as_the_feature_pass_computes_them(cache_dir, tmp_path):
+    """Where training caches features, regen's engine keeps each sequence's features at the drafter's layers and its
+    p^T: a trace's are those of its last turn, whose prompt took the turns before from the slot, features too."""
+    config = load_config("micro", ["regen.max_new_tokens=8"])
+    target = prepare_target(config.target, log=lambda _: None)
+    tokenizer, model = load_tokenizer(target), load_model(target, "float32", torch.device("cpu"))
+    first = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Wake me at 7."}]
+    later = [[{"role": "user", "content": '[tool AddAlarm({"time": "07:00"})]\n{"alarm_id": "a1"}'}], [{"role": "user", "content": "Thanks."}]]
+    prompts = [Prompt("t:1", "tooltalk", first, later_turns=later), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
+    ids = [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
+    plain, keeping = EngineBackend(model, tokenizer, config.regen), EngineBackend(model, tokenizer, config.regen, ([1, 3], 8))
+    records = _generate_batch(prompts, ids, keeping, 0, tokenizer, config.regen, False)
+    assert records == _generate_batch(prompts, ids, plain, 0, tokenizer, config.regen, False)
+    # the next turn computes only what is new, as without keeping: the reply before's features were kept with it
+    assert keeping.engine.stats.reused_prompt_tokens == plain.engine.stats.reused_prompt_tokens > 0
+    assert keeping.write_kept(records, tmp_path / "kept.features.safetensors") == 2 and not keeping.kept
+    kept, metadata = read_sequences(tmp_path / "kept.features.safetensors")
+    assert json.loads(metadata["ids"]) == ["t:1", "c:1"] and json.loads(metadata["layers"]) == [1, 3]
+    computed, _ = engine_passes(TargetRunner(model, [1, 3, 4], 1, 512), [1, 3], records, 8)
+    for ours, theirs, record in zip(kept, computed, records):
+        assert ours.input_ids.tolist() == record["input_ids"] and ours.responses() == theirs.responses()
+        assert torch.allclose(ours.features[:-1].float(), theirs.features[:-1], atol=1e-3)  # half precision
+        assert not ours.features[-1].any()  # the last token's: no pass reads it, nor any pivot
+        read = theirs.scored_positions()
+        assert torch.equal(ours.top_ids[read], theirs.top_ids[read])
+        assert torch.allclose(ours.top_probs[read].float(), theirs.top_probs[read], atol=1e-3)
+
+
+def test_the_feature_stage_takes_what_regens_engine_kept_and_computes_the_rest(run_cli, tmp_path):
+    ask = ["--target", "micro", "--run-dir", str(tmp_path / "run"), "--set", "regen.backend=dlite", "--set", "train.teacher_epochs=1"]
+    run_cli("regen", *ask, "--limit", "12")
+    records = chunk_records(tmp_path / "run")
+    regenerated = {i for i, r in records.items() if r.get("labels") != "target"}
+    assert set(kept_sequences(tmp_path / "run", [0, 2, 3], 8)) == regenerated  # micro's drafter reads layers 0, 2 and 3
+    assert not kept_sequences(tmp_path / "run", [0, 1], 8) and not kept_sequences(tmp_path / "run", [0, 2, 3], 4)
+    assert len(kept_feature_files(tmp_path / "run")) >= 2  # one file a batch
+    run_cli("train-teacher", *ask)
+    summary = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())["summary"]
+    originals = [r for r in records.values() if r.get("labels") == "target"]  # read teacher-forced: never generated
+    assert summary["kept_from_regen"] == len(regenerated) and summary["sequences"] == len(records)
+    assert 0 < summary["computed_tokens"] <= sum(len(r["input_ids"]) for r in originals)
 
 
 def test_a_reply_is_a_span_as_far_as_the_next_turn_reads_back_the_ids_the_target_wrote():

@@ -21,6 +21,7 @@ training loop — the paper-scale mode, where stored features would take tens of
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,9 +32,10 @@ from ..core.config import Config, config_hash
 from ..core.errors import DliteError
 from ..core.files import atomic_path
 from ..core.progress import progress_bar
+from ..decoding.proposers.none import NoDrafter
 from ..models.runner import TargetRunner
 from .losses import dropped_mass
-from .regen import iter_records, spans_of
+from .regen import iter_records, kept_feature_files, spans_of
 
 SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
 # A longer sequence fills a pass by itself, and one of a batch pays for the padding mask: attention then scores every
@@ -59,8 +61,9 @@ class Sequence:
         return self.spans or [[self.prompt_len, len(self.input_ids)]]
 
     def scored_positions(self) -> torch.Tensor:
-        """The positions whose p^T training reads: from the one before each response to its end → (n,)."""
-        return torch.cat([torch.arange(max(start - 1, 0), end) for start, end in self.responses()])
+        """The positions whose p^T training reads, the one before each response token: from the one before each
+        response to the one before its last token → (n,)."""
+        return torch.cat([torch.arange(max(start - 1, 0), end - 1) for start, end in self.responses()])
 
 
 class LayerCapture:
@@ -141,16 +144,51 @@ def engine_passes(runner: TargetRunner, layer_ids: list[int], records: list[dict
     set share their system prompt and tools).  No sequence is padded; p^T is computed where training reads it, as in
     :func:`target_pass`.  → their Sequences in the records' order (features on the host, in the target's dtype), and
     how many tokens were computed."""
-    final = runner.capture_layers.index(len(runner.layers))
-    columns = [runner.capture_layers.index(i) for i in layer_ids]
     computed, out = 0, {}
     for i in sorted(range(len(records)), key=lambda i: records[i]["input_ids"]):
         record = records[i]
         _, features, reused = runner.prefill(0, record["input_ids"], all_features=True)
         computed += len(record["input_ids"]) - reused
-        out[i] = scored_sequence(record, features[:, columns].cpu(), top_k,
-                                 lambda read: runner.linears.lm_head(features[read.to(features.device), final][None])[0])
+        out[i] = runner_sequence(runner, layer_ids, record, features, top_k)
     return [out[i] for i in range(len(records))], computed
+
+
+def runner_sequence(runner: TargetRunner, layer_ids: list[int], record: dict, features: torch.Tensor, top_k: int,
+                    dtype: torch.dtype | None = None) -> Sequence:
+    """A regen record's Sequence from the features (T, S', H) a runner captured over it (``runner.capture_layers``: at
+    least ``layer_ids`` and id L, the final norm's output, through which p^T is read), with those of ``layer_ids`` on
+    the host (in ``dtype``, else the runner's)."""
+    final = runner.capture_layers.index(len(runner.layers))
+    columns = [runner.capture_layers.index(i) for i in layer_ids]
+    return scored_sequence(record, features[:, columns].to("cpu", dtype), top_k,
+                           lambda read: runner.linears.lm_head(features[read.to(features.device), final][None])[0])
+
+
+class FeatureRecorder(NoDrafter):
+    """Plain decoding that keeps the target's features at every position of each request: the regen engine's proposer
+    where training caches features, so that the sequences regen writes need no feature pass of their own.  Its
+    runner captures the drafter's layers and id L.  A request's features, (T − 1, S', H) over its prompt and its
+    output but the last token (the one no pass reads), are ``kept[request]`` once it ends, and the slot keeps them
+    too, so that a next turn computes only its new tokens."""
+
+    needs_all_features = True
+
+    def __init__(self, runner: TargetRunner):
+        self.runner, self.target_layers = runner, runner.capture_layers
+        self.history: dict[int, list[torch.Tensor]] = {}  # slot → features of its positions before the pivot
+        self.kept: dict = {}  # Request → (T − 1, S', H)
+
+    def begin(self, row, prompt_features) -> None:
+        self.history[row.slot] = [prompt_features[:-1]]
+
+    def extend(self, row, features) -> None:
+        self.history[row.slot].append(features)
+
+    def end(self, row) -> None:
+        features = torch.cat([*self.history.pop(row.slot), row.pivot[None]])
+        self.kept[row] = features
+        if len(features) == self.runner.length(row.slot):  # not a request that failed (its slot is emptied)
+            self.runner.features[row.slot] = features
 
 
 def length_batches(lengths: list[int], batch: int) -> list[list[int]]:
@@ -181,32 +219,38 @@ class FeatureCache:
     def __init__(self, run_dir: Path):
         self.stage = Stage(run_dir, "features")
 
-    def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log) -> None:
-        """Compute missing shards of the features of ``layer_ids``; resumable at shard granularity."""
+    def build(self, config: Config, records: list[dict], target_model, layer_ids: list[int], inputs: dict, force: bool, log,
+              regen_dir: Path | None = None) -> None:
+        """Compute missing shards of the features of ``layer_ids``; resumable at shard granularity.  A record whose
+        sequence regen's engine kept (in ``regen_dir``, with these layers and top-k) is taken from there, not computed."""
         train = config.train
         digest = config_hash(config.target.identity(), {"layers": layer_ids, "top_k": train.target_top_k, "inputs": inputs})
         if not self.stage.begin(digest, {"layers": layer_ids, "top_k": train.target_top_k}, inputs, force):
             return
         shards = [records[i : i + SHARD_SEQUENCES] for i in range(0, len(records), SHARD_SEQUENCES)]
         done = sum(len(s) for i, s in enumerate(shards) if self._shard_path(i).exists())
+        kept = kept_sequences(regen_dir, layer_ids, train.target_top_k) if regen_dir is not None and done < len(records) else {}
         runner = TargetRunner(target_model, sorted({*layer_ids, len(target_model.model.layers)}), 1,
                               max(len(r["input_ids"]) for r in records) + 1, config.decode.prefill_chunk)
-        computed = 0
+        computed = taken = 0
         with progress_bar("target features", total=len(records), completed=done) as bar:
             for index, shard in enumerate(shards):
                 if self._shard_path(index).exists():
                     continue
-                sequences, shard_computed = engine_passes(runner, layer_ids, shard, train.target_top_k)
-                self._write_shard(index, sequences)
-                done, computed = done + len(shard), computed + shard_computed
+                found = {i: kept[r["id"]] for i, r in enumerate(shard) if r["id"] in kept and kept[r["id"]].input_ids.tolist() == r["input_ids"]}
+                rest = [i for i in range(len(shard)) if i not in found]
+                sequences, shard_computed = engine_passes(runner, layer_ids, [shard[i] for i in rest], train.target_top_k)
+                found.update(zip(rest, sequences))
+                write_sequences(self._shard_path(index), [found[i] for i in range(len(shard))])
+                done, computed, taken = done + len(shard), computed + shard_computed, taken + len(shard) - len(rest)
                 bar.update(advance=len(shard))
                 self.stage.update(progress={"done": done, "total": len(records), "unit": "sequences"})
         tokens = sum(len(r["input_ids"]) for r in records)
         dropped = self._dropped_mass()
         self.stage.finish(summary={"sequences": len(records), "tokens": tokens, "shards": len(shards), "top_k_dropped_mass": dropped,
-                                   "computed_tokens": computed})
-        log(f"cached target features for {len(records)} sequences ({tokens} tokens, {computed} computed by this run, the rest shared "
-            f"with the sequence before or cached) in {self.stage.dir}; "
+                                   "computed_tokens": computed, "kept_from_regen": taken})
+        log(f"cached target features for {len(records)} sequences ({tokens} tokens; {taken} sequences as regen's engine kept them, "
+            f"{computed} tokens computed by this run, the rest shared with the sequence before or cached) in {self.stage.dir}; "
             f"p^T mass outside the top-{train.target_top_k}: mean {dropped['mean']:.4f}, p99 {dropped['p99']:.4f} "
             "(the most the sparse TV loss can differ from the full one per position)")
 
@@ -218,51 +262,75 @@ class FeatureCache:
     def _shard_path(self, index: int) -> Path:
         return self.stage.dir / f"{index:05d}.safetensors"
 
-    def _write_shard(self, index: int, sequences: list[Sequence]) -> None:
-        from safetensors.torch import save_file
-
-        tensors = {
-            "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
-            "features": torch.cat([s.features for s in sequences]).half().cpu(),
-            "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
-            "top_ids": torch.cat([s.top_ids for s in sequences]),
-            "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
-            "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
-            "spans": torch.tensor([span for s in sequences for span in s.responses()]).reshape(-1, 2),
-            "span_counts": torch.tensor([len(s.responses()) for s in sequences]),
-            "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
-        }
-        with atomic_path(self._shard_path(index)) as tmp:
-            save_file(tensors, tmp)
-
     def load(self, layer_ids: list[int] | None = None, require_done: bool = True) -> list[Sequence]:
         """Every cached Sequence, with the features of ``layer_ids`` only (None: all the cache holds), in their order."""
-        from safetensors.torch import load_file
-
         manifest = self.stage.manifest()
         if require_done and (manifest is None or manifest["status"] != "done"):
             raise DliteError(f"the target feature cache in {self.stage.dir} is incomplete: run the training stage again to finish it")
         held = manifest["config"]["layers"]
         if layer_ids is not None and not set(layer_ids) <= set(held):
             raise DliteError(f"the target feature cache in {self.stage.dir} holds layers {held}, not all of {layer_ids}")
-        columns = None if layer_ids is None or layer_ids == held else torch.tensor([held.index(i) for i in layer_ids])
-        sequences = []
-        for path in sorted(self.stage.dir.glob("*.safetensors")):
-            shard = load_file(path)
-            if columns is not None:
-                shard["features"] = shard["features"][:, columns]
-            starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
-            from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
-            # each sequence's response spans; a cache from before spans holds none: one response each, after the prompt
-            spans = [s.tolist() for s in shard["spans"].split(shard["span_counts"].tolist())] if "spans" in shard else [[]] * len(starts)
-            for start, length, prompt_len, flag, responses in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
-                                                                  from_target, spans):
-                end = start + length
-                sequences.append(
-                    Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
-                             shard["top_ids"][start:end], flag, responses)
-                )
-        return sequences
+        columns = None if layer_ids is None or layer_ids == held else [held.index(i) for i in layer_ids]
+        return [s for path in sorted(self.stage.dir.glob("*.safetensors")) for s in read_sequences(path, columns)[0]]
+
+
+def write_sequences(path: Path, sequences: list[Sequence], metadata: dict[str, str] | None = None) -> None:
+    """``sequences`` into one safetensors file at ``path`` (features and p^T in half precision), atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
+        "features": torch.cat([s.features for s in sequences]).half().cpu(),
+        "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
+        "top_ids": torch.cat([s.top_ids for s in sequences]),
+        "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
+        "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
+        "spans": torch.tensor([span for s in sequences for span in s.responses()]).reshape(-1, 2),
+        "span_counts": torch.tensor([len(s.responses()) for s in sequences]),
+        "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata)
+
+
+def read_sequences(path: Path, columns: list[int] | None = None) -> tuple[list[Sequence], dict[str, str]]:
+    """The Sequences :func:`write_sequences` wrote to ``path`` (features of the layer ``columns`` only, None: all), and
+    its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    shard = load_file(path)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata() or {}
+    if columns is not None:
+        shard["features"] = shard["features"][:, columns]
+    starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
+    from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
+    # each sequence's response spans; a cache from before spans holds none: one response each, after the prompt
+    spans = [s.tolist() for s in shard["spans"].split(shard["span_counts"].tolist())] if "spans" in shard else [[]] * len(starts)
+    sequences = []
+    for start, length, prompt_len, flag, responses in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
+                                                          from_target, spans):
+        end = start + length
+        sequences.append(Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
+                                  shard["top_ids"][start:end], flag, responses))
+    return sequences, metadata
+
+
+def kept_sequences(regen_dir: Path, layer_ids: list[int], top_k: int) -> dict[str, Sequence]:
+    """The Sequences regen's engine kept in ``regen_dir`` (regen.kept_feature_files) that hold ``layer_ids`` at this
+    ``top_k``, by record id, with those layers' features alone."""
+    kept = {}
+    for path in kept_feature_files(regen_dir):
+        sequences, metadata = read_sequences(path)
+        held = json.loads(metadata["layers"])
+        if int(metadata["top_k"]) != top_k or not set(layer_ids) <= set(held):
+            continue
+        columns = [held.index(i) for i in layer_ids]
+        for record_id, sequence in zip(json.loads(metadata["ids"]), sequences):
+            sequence.features = sequence.features[:, columns]
+            kept[record_id] = sequence
+    return kept
 
 
 def load_records(run_dir: Path) -> list[dict]:

@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..core.artifacts import Stage
 from ..core.config import Config, RegenConfig, SourceConfig, config_hash
@@ -48,6 +48,9 @@ from ..data.prompts import Prompt, Skipped, plan_prompts
 from ..models.chat import chat_prompt_ids
 from ..models.linears import pack_modules
 from ..models.targets import Work, load_model, load_tokenizer, prepare_target
+
+if TYPE_CHECKING:
+    import torch
 
 RETRIES = 6  # attempts per request with the openai backend
 
@@ -83,6 +86,11 @@ def iter_records(run_dir: Path) -> Iterator[dict]:
     if manifest is None or manifest["status"] != "done":
         raise DliteError(f"no finished regen stage in {run_dir}: run `dlite regen` first")
     yield from _chunk_records(stage.dir / "chunks")
+
+
+def kept_feature_files(run_dir: Path) -> list[Path]:
+    """The files of Sequences regen's engine kept (EngineBackend.write_kept), one per batch, in ``run_dir``'s regen stage."""
+    return sorted((Stage(run_dir, "regen").dir / "chunks").glob("*.features.safetensors"))
 
 
 def _chunk_records(chunks_dir: Path) -> Iterator[dict]:
@@ -145,15 +153,21 @@ class HFBackend:
 class EngineBackend:
     """dlite's own engine (engine.py) without a drafter, on each batch: a row that stops leaves the pass, where
     transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend).  A
-    trace's next turn finds the one before in the slot it left, as in the server, and prefills only what is new."""
+    trace's next turn finds the one before in the slot it left, as in the server, and prefills only what is new.
+    ``keep``: (layer ids, top-k) to keep each sequence's features at those layers and its p^T as training's feature
+    cache holds them (features.FeatureRecorder), so that its feature pass takes them instead of running the target
+    over every sequence again."""
 
-    def __init__(self, model, tokenizer, regen: RegenConfig):
+    def __init__(self, model, tokenizer, regen: RegenConfig, keep: tuple[list[int], int] | None = None):
         from ..decoding.engine import Engine, stop_tokens_and_text
         from ..decoding.proposers.none import NoDrafter
         from ..models.runner import TargetRunner
+        from .features import FeatureRecorder
 
-        runner = TargetRunner(model, [], regen.batch_size, regen.max_length + 2)
-        self.engine, self.regen = Engine(runner, NoDrafter(), *stop_tokens_and_text(model, tokenizer)), regen
+        runner = TargetRunner(model, [] if keep is None else sorted({*keep[0], len(model.model.layers)}), regen.batch_size, regen.max_length + 2)
+        self.drafter = NoDrafter() if keep is None else FeatureRecorder(runner)
+        self.engine, self.regen, self.keep = Engine(runner, self.drafter, *stop_tokens_and_text(model, tokenizer)), regen, keep
+        self.kept: dict[tuple[int, ...], torch.Tensor] = {}  # a finished request's ids (prompt and output) → its features (T − 1, S', H)
 
     def close(self) -> None:
         pass  # the model is the caller's
@@ -171,10 +185,35 @@ class EngineBackend:
         from ..decoding.requests import Request, SamplingParams
 
         regen = self.regen
+        # a turn a next one continues is not a record's whole sequence: its features are the next turn's prompt's
+        self.kept = {ids: features for ids, features in self.kept.items() if not any(tuple(p[: len(ids)]) == ids for p in prompt_ids)}
         requests = [Request(ids, SamplingParams(min(regen.max_new_tokens, regen.max_length - len(ids)), regen.temperature,
                                                 regen.top_p, seed=seed + row))
                     for row, ids in enumerate(prompt_ids)]
-        return [Completion(r.output_ids, r.text, "stop" if r.finish_reason == "stop" else "length") for r in self.engine.run(requests)]
+        self.engine.run(requests)
+        if self.keep is not None:
+            self.kept.update((tuple(r.tokens), self.drafter.kept.pop(r)) for r in requests)
+        return [Completion(r.output_ids, r.text, "stop" if r.finish_reason == "stop" else "length") for r in requests]
+
+    def write_kept(self, records: list[dict], path: Path) -> int:
+        """Write to ``path`` the Sequences (features.Sequence) of the ``records`` whose features the engine kept, and forget
+        them all → how many it wrote.  Their last token's features are zeros: no pass reads that token, and no anchor's
+        pivot lies there."""
+        import torch
+
+        from .features import runner_sequence, write_sequences
+
+        layer_ids, top_k = self.keep
+        sequences = {}
+        for record in records:
+            features = self.kept.get(tuple(record["input_ids"]))
+            if features is not None:
+                padded = torch.cat([features, features.new_zeros(1, *features.shape[1:])])
+                sequences[record["id"]] = runner_sequence(self.engine.runner, layer_ids, record, padded, top_k, torch.float16)
+        self.kept.clear()
+        if sequences:
+            write_sequences(path, list(sequences.values()), {"ids": json.dumps(list(sequences)), "layers": json.dumps(layer_ids), "top_k": str(top_k)})
+        return len(sequences)
 
 
 class OpenAIBackend:
@@ -323,7 +362,7 @@ def run_regen(
         model = load_model(target, config.target.dtype, device, log, Work("batched", regen.batch_size)) if regen.backend in ("hf", "dlite") else None
         generator = {
             "hf": lambda: HFBackend(model, tokenizer, regen),
-            "dlite": lambda: EngineBackend(model, tokenizer, regen),
+            "dlite": lambda: EngineBackend(model, tokenizer, regen, _kept_layers(config, model)),
             "openai": lambda: OpenAIBackend(base_url, concurrency, tokenizer, regen, config.target.thinking, model_name),
             "sglang": lambda: SGLangBackend(target.path, tokenizer, regen, config.target.dtype),  # SGLang knows auto too
         }[regen.backend]()
@@ -343,6 +382,16 @@ def run_regen(
         if isinstance(generator, EngineBackend):
             log(generator.timing())
     return _finalize(stage, chunks, chunks_dir, source_skips, shard, log)
+
+
+def _kept_layers(config: Config, model) -> tuple[list[int], int] | None:
+    """What the engine keeps of each sequence where training caches its features: (the drafter's target layers,
+    p^T's top-k), else None."""
+    from ..models.model import DrafterSpec
+
+    if config.train.features != "cached":
+        return None
+    return DrafterSpec.for_target(model.config, config.drafter, 0).target_layer_ids, config.train.target_top_k
 
 
 def _chunk_path(chunks_dir: Path, chunk: int) -> Path:
@@ -367,6 +416,8 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
                 continue
             records = _generate_batch([prompts[i] for i in batch], [tokenized[i] for i in batch], generator, _seed(regen.seed, chunk, b), tokenizer,
                                       regen, config.target.thinking)
+            if isinstance(generator, EngineBackend) and generator.keep is not None:  # before the batch counts as done
+                generator.write_kept(records, chunks_dir / f"{chunk:05d}.{b:04d}.features.safetensors")
             out.write(json.dumps({"batch": b, "records": records}) + "\n")
             out.flush()
             os.fsync(out.fileno())

@@ -212,7 +212,8 @@ class Trainer:
         cache = FeatureCache(self.shared.features_dir if self.shared else self.run_dir)
         layers = self.shared.layer_ids if self.shared else self.spec.target_layer_ids
         if self.accelerator.is_main_process:
-            cache.build(self.config, records, self.target_model, layers, {"regen": inputs["regen"], "target": inputs["target"]}, force, self.log)
+            cache.build(self.config, records, self.target_model, layers, {"regen": inputs["regen"], "target": inputs["target"]}, force, self.log,
+                        self.regen_dir)
         self.accelerator.wait_for_everyone()
         by_position = cache.load(self.spec.target_layer_ids)
         index = {r["id"]: i for i, r in enumerate(records)}
