@@ -17,7 +17,8 @@ from dlite_cli.data.split import is_heldout
 from dlite_cli.models.chat import chat_prompt_ids
 from dlite_cli.models.targets import load_model, load_tokenizer, prepare_target
 from dlite_cli.models.runner import TargetRunner
-from dlite_cli.training.features import engine_passes, kept_sequences, read_sequences
+from dlite_cli.training.features import engine_passes, kept_sequences
+from dlite_cli.training.sequences import read_sequences
 from dlite_cli.training.regen import EngineBackend, _generate_batch, kept_feature_files, parse_shard, written_spans
 
 
@@ -269,17 +270,26 @@ def test_the_dlite_backend_writes_the_greedy_records_generate_does_and_samples_r
     assert chunk_records(tmp_path / "a") == chunk_records(tmp_path / "b") != dlite
 
 
-def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_room(cache_dir):
-    """A trace's replies are the target's, each after the context its earlier replies and the tool results made
-    (rendered by the chat template, as the bench renders it); the record is the whole trace, and a turn whose
-    context leaves no room for a reply ends it."""
+LATER_TURNS = [[{"role": "user", "content": '[tool AddAlarm({"time": "07:00"})]\n{"alarm_id": "a1"}'}], [{"role": "user", "content": "Thanks."}]]
+
+
+@pytest.fixture
+def trace_and_chat(cache_dir):
+    """micro's config (8 new tokens a reply), its tokenizer and float32 model, and two prompts with their ids: a trace
+    of three turns (LATER_TURNS after its first reply and its second) and a one-turn chat."""
     config = load_config("micro", ["regen.max_new_tokens=8"])
     target = prepare_target(config.target, log=lambda _: None)
     tokenizer, model = load_tokenizer(target), load_model(target, "float32", torch.device("cpu"))
     first = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Wake me at 7."}]
-    later = [[{"role": "user", "content": '[tool AddAlarm({"time": "07:00"})]\n{"alarm_id": "a1"}'}], [{"role": "user", "content": "Thanks."}]]
-    prompts = [Prompt("t:1", "tooltalk", first, later_turns=later), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
-    ids = [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
+    prompts = [Prompt("t:1", "tooltalk", first, later_turns=LATER_TURNS), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
+    return config, tokenizer, model, prompts, [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
+
+
+def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_room(trace_and_chat):
+    """A trace's replies are the target's, each after the context its earlier replies and the tool results made
+    (rendered by the chat template, as the bench renders it); the record is the whole trace, and a turn whose
+    context leaves no room for a reply ends it."""
+    config, tokenizer, model, prompts, ids = trace_and_chat
 
     def write(regen, backend=None):
         return _generate_batch(prompts, ids, backend or EngineBackend(model, tokenizer, regen), 0, tokenizer, regen, False)
@@ -290,7 +300,7 @@ def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_ro
     assert stats.reused_prompt_tokens >= len(ids[0]) + trace["spans"][0][1] - trace["spans"][0][0] - 1
     assert f"({stats.reused_prompt_tokens} more found in a slot" in backend.timing()
     assert [m["role"] for m in trace["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert trace["messages"][3:] == [*later[0], trace["messages"][4], *later[1]]
+    assert trace["messages"][3:] == [*LATER_TURNS[0], trace["messages"][4], *LATER_TURNS[1]]
     last_turn = chat_prompt_ids(tokenizer, trace["messages"], False)
     assert trace["input_ids"][: len(last_turn)] == last_turn and trace["spans"][-1] == [len(last_turn), len(trace["input_ids"])]
     assert trace["prompt_len"] == len(ids[0]) and trace["spans"] == sorted(trace["spans"])
@@ -299,22 +309,17 @@ def test_a_trace_is_written_turn_by_turn_and_ends_where_its_context_leaves_no_ro
     assert [m["role"] for m in cut["messages"]][-2:] == ["assistant", "user"] and len(cut["messages"]) == 4
 
 
-def test_the_engine_keeps_each_records_features_and_p_t_as_the_feature_pass_computes_them(cache_dir, tmp_path):
+def test_the_engine_keeps_each_records_features_and_p_t_as_the_feature_pass_computes_them(trace_and_chat, tmp_path):
     """Where training caches features, regen's engine keeps each sequence's features at the drafter's layers and its
     p^T: a trace's are those of its last turn, whose prompt took the turns before from the slot, features too."""
-    config = load_config("micro", ["regen.max_new_tokens=8"])
-    target = prepare_target(config.target, log=lambda _: None)
-    tokenizer, model = load_tokenizer(target), load_model(target, "float32", torch.device("cpu"))
-    first = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "Wake me at 7."}]
-    later = [[{"role": "user", "content": '[tool AddAlarm({"time": "07:00"})]\n{"alarm_id": "a1"}'}], [{"role": "user", "content": "Thanks."}]]
-    prompts = [Prompt("t:1", "tooltalk", first, later_turns=later), Prompt("c:1", "stdlib-code", [{"role": "user", "content": "Sort a list."}])]
-    ids = [chat_prompt_ids(tokenizer, p.messages, False) for p in prompts]
+    config, tokenizer, model, prompts, ids = trace_and_chat
     plain, keeping = EngineBackend(model, tokenizer, config.regen), EngineBackend(model, tokenizer, config.regen, ([1, 3], 8))
     records = _generate_batch(prompts, ids, keeping, 0, tokenizer, config.regen, False)
     assert records == _generate_batch(prompts, ids, plain, 0, tokenizer, config.regen, False)
     # the next turn computes only what is new, as without keeping: the reply before's features were kept with it
     assert keeping.engine.stats.reused_prompt_tokens == plain.engine.stats.reused_prompt_tokens > 0
-    assert keeping.write_kept(records, tmp_path / "kept.features.safetensors") == 2 and not keeping.kept
+    keeping.write_kept(records, tmp_path / "kept.features.safetensors")
+    assert not keeping.kept
     kept, metadata = read_sequences(tmp_path / "kept.features.safetensors")
     assert json.loads(metadata["ids"]) == ["t:1", "c:1"] and json.loads(metadata["layers"]) == [1, 3]
     computed, _ = engine_passes(TargetRunner(model, [1, 3, 4], 1, 512), [1, 3], records, 8)

@@ -42,7 +42,8 @@ from ..models.linears import linear_bytes, target_linears
 from ..models.model import FULL_HISTORY, Drafter, DrafterSpec, greedy_pick
 from ..models.runner import TargetRunner, decode_path
 from ..models.targets import Work, architecture, load_model, prepare_target, random_target, target_dtype
-from ..training.features import LayerCapture, Sequence, target_pass
+from ..training.features import LayerCapture, target_pass
+from ..training.sequences import Sequence
 from ..training.steps import stage_plan, synthetic_sequences, valid_anchors
 from ..training.train import mixed_precision, step_seconds
 from ..training.training_plan import stage_plans

@@ -1,20 +1,9 @@
-"""Training data from the frozen target: features at the S selected layers and sparse target distributions.
-
-For a regenerated sequence x_0..x_{T−1} (prompt then response) one no-grad target
-pass gives, per position t:
-
-    features   (T, S, H)  outputs of the S selected decoder layers (forward hooks, nothing else kept)
-    top_probs  (T, k)     the k largest probabilities of p^T(· | x_≤t), the target's next-token distribution
-    top_ids    (T, k)     their token ids (these two from the position before each response to its end; zeros elsewhere)
-
-An anchor a (a response token) then yields: context = features[a−1] (the pivot),
-the anchor token x_a, labels x_{a+1..a+K} and p^T_i = top-k at a+i−1.  A multi-turn
-trace is one sequence with one response span per reply: its anchors and labels
-stay inside a span, while the features before each are of the whole trace so far.
+"""Training data from the frozen target: the features and p^T of every regen record (sequences.py), computed once.
 
 Two modes (``train.features``): ``cached`` runs the target once over every
 sequence and stores the result in ``<run>/features/`` (half precision), reused by
-all stages and epochs — the CPU mode; ``online`` runs the target inside the
+all stages and epochs — the CPU mode, where regen in dlite's engine has kept most
+of it already (sequences.FeatureRecorder); ``online`` runs the target inside the
 training loop — the paper-scale mode, where stored features would take tens of TB.
 """
 
@@ -22,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,40 +18,17 @@ import torch
 from ..core.artifacts import Stage
 from ..core.config import Config, config_hash
 from ..core.errors import DliteError
-from ..core.files import atomic_path
 from ..core.progress import progress_bar
-from ..decoding.proposers.none import NoDrafter
 from ..models.runner import TargetRunner
 from .losses import dropped_mass
-from .regen import iter_records, kept_feature_files, spans_of
+from .regen import iter_records, kept_feature_files
+from .sequences import Sequence, read_sequences, runner_sequence, scored_sequence, write_sequences
 
 SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
 # A longer sequence fills a pass by itself, and one of a batch pays for the padding mask: attention then scores every
 # query against every key, not the causal half.  12 agent traces (25 549 tokens, 2-core AVX-512 EPYC, bfloat16): 74.7 s
 # in batches of 8, 35.4 s one a pass; 64 chats (15 177 tokens): 16.2 s in batches of 8, 18.1 s one a pass.
 ALONE_TOKENS = 1024
-
-
-@dataclass
-class Sequence:
-    """One regenerated sequence and what the target computed over it."""
-
-    input_ids: torch.Tensor  # (T,) long
-    prompt_len: int
-    features: torch.Tensor  # (T, S, H): from a target pass on the target's device in its dtype; from the cache on the host in float16
-    top_probs: torch.Tensor  # (T, k)
-    top_ids: torch.Tensor  # (T, k) int32
-    labels_from_target: bool = False  # the response is the source's original text: labels are the target's argmax
-    spans: list[list[int]] = field(default_factory=list)  # [start, end) of each response (a trace's replies); empty: one, from prompt_len
-
-    def responses(self) -> list[list[int]]:
-        """The [start, end) ranges of the tokens the drafter learns to propose: the responses."""
-        return self.spans or [[self.prompt_len, len(self.input_ids)]]
-
-    def scored_positions(self) -> torch.Tensor:
-        """The positions whose p^T training reads, the one before each response token: from the one before each
-        response to the one before its last token → (n,)."""
-        return torch.cat([torch.arange(max(start - 1, 0), end - 1) for start, end in self.responses()])
 
 
 class LayerCapture:
@@ -97,7 +62,7 @@ class LayerCapture:
 def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -> list[Sequence]:
     """Run the target over regen records (``input_ids``, ``prompt_len``, ``spans``, ``labels``; one right-padded batch): each
     Sequence's features stay on the target's device in its dtype (a training step reads them there), p^T goes to the host.
-    p^T is computed where training reads it, from the position before each response to its end (zeros elsewhere): the LM
+    p^T is computed where training reads it, at the position before each response token (zeros elsewhere): the LM
     head and its top-k are skipped over prompts and tool results, most of an agent trace."""
     width = max(len(r["input_ids"]) for r in records)
     input_ids = torch.zeros(len(records), width, dtype=torch.long)
@@ -112,19 +77,6 @@ def target_pass(model, capture: LayerCapture, records: list[dict], top_k: int) -
     return [scored_sequence(record, features[row, : len(record["input_ids"])].clone(), top_k,
                             lambda read, row=row: head(hidden[row, read.to(device)]))
             for row, record in enumerate(records)]
-
-
-def scored_sequence(record: dict, features: torch.Tensor, top_k: int, logits_at) -> Sequence:
-    """A regen record's Sequence from a target pass over it: its ``features`` (T, S, H), and p^T where training reads it,
-    from the position before each response to its end (zeros elsewhere), as ``logits_at(positions (n,)) → (n, V)`` gives
-    the target's logits there."""
-    length = len(record["input_ids"])
-    sequence = Sequence(torch.tensor(record["input_ids"]), record["prompt_len"], features, torch.zeros(length, top_k),
-                        torch.zeros(length, top_k, dtype=torch.int32), record.get("labels") == "target", spans_of(record))
-    read = sequence.scored_positions()
-    probs, top = torch.softmax(logits_at(read).float(), dim=-1).topk(top_k, dim=-1)
-    sequence.top_probs[read], sequence.top_ids[read] = probs.cpu(), top.int().cpu()
-    return sequence
 
 
 def target_passes(model, capture: LayerCapture, records: list[dict], top_k: int, batch: int) -> list[Sequence]:
@@ -151,44 +103,6 @@ def engine_passes(runner: TargetRunner, layer_ids: list[int], records: list[dict
         computed += len(record["input_ids"]) - reused
         out[i] = runner_sequence(runner, layer_ids, record, features, top_k)
     return [out[i] for i in range(len(records))], computed
-
-
-def runner_sequence(runner: TargetRunner, layer_ids: list[int], record: dict, features: torch.Tensor, top_k: int,
-                    dtype: torch.dtype | None = None) -> Sequence:
-    """A regen record's Sequence from the features (T, S', H) a runner captured over it (``runner.capture_layers``: at
-    least ``layer_ids`` and id L, the final norm's output, through which p^T is read), with those of ``layer_ids`` on
-    the host (in ``dtype``, else the runner's)."""
-    final = runner.capture_layers.index(len(runner.layers))
-    columns = [runner.capture_layers.index(i) for i in layer_ids]
-    return scored_sequence(record, features[:, columns].to("cpu", dtype), top_k,
-                           lambda read: runner.linears.lm_head(features[read.to(features.device), final][None])[0])
-
-
-class FeatureRecorder(NoDrafter):
-    """Plain decoding that keeps the target's features at every position of each request: the regen engine's proposer
-    where training caches features, so that the sequences regen writes need no feature pass of their own.  Its
-    runner captures the drafter's layers and id L.  A request's features, (T − 1, S', H) over its prompt and its
-    output but the last token (the one no pass reads), are ``kept[request]`` once it ends, and the slot keeps them
-    too, so that a next turn computes only its new tokens."""
-
-    needs_all_features = True
-
-    def __init__(self, runner: TargetRunner):
-        self.runner, self.target_layers = runner, runner.capture_layers
-        self.history: dict[int, list[torch.Tensor]] = {}  # slot → features of its positions before the pivot
-        self.kept: dict = {}  # Request → (T − 1, S', H)
-
-    def begin(self, row, prompt_features) -> None:
-        self.history[row.slot] = [prompt_features[:-1]]
-
-    def extend(self, row, features) -> None:
-        self.history[row.slot].append(features)
-
-    def end(self, row) -> None:
-        features = torch.cat([*self.history.pop(row.slot), row.pivot[None]])
-        self.kept[row] = features
-        if len(features) == self.runner.length(row.slot):  # not a request that failed (its slot is emptied)
-            self.runner.features[row.slot] = features
 
 
 def length_batches(lengths: list[int], batch: int) -> list[list[int]]:
@@ -272,49 +186,6 @@ class FeatureCache:
             raise DliteError(f"the target feature cache in {self.stage.dir} holds layers {held}, not all of {layer_ids}")
         columns = None if layer_ids is None or layer_ids == held else [held.index(i) for i in layer_ids]
         return [s for path in sorted(self.stage.dir.glob("*.safetensors")) for s in read_sequences(path, columns)[0]]
-
-
-def write_sequences(path: Path, sequences: list[Sequence], metadata: dict[str, str] | None = None) -> None:
-    """``sequences`` into one safetensors file at ``path`` (features and p^T in half precision), atomically."""
-    from safetensors.torch import save_file
-
-    tensors = {
-        "input_ids": torch.cat([s.input_ids for s in sequences]).int(),
-        "features": torch.cat([s.features for s in sequences]).half().cpu(),
-        "top_probs": torch.cat([s.top_probs for s in sequences]).half(),
-        "top_ids": torch.cat([s.top_ids for s in sequences]),
-        "lengths": torch.tensor([len(s.input_ids) for s in sequences]),
-        "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
-        "spans": torch.tensor([span for s in sequences for span in s.responses()]).reshape(-1, 2),
-        "span_counts": torch.tensor([len(s.responses()) for s in sequences]),
-        "labels_from_target": torch.tensor([s.labels_from_target for s in sequences]),
-    }
-    with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata)
-
-
-def read_sequences(path: Path, columns: list[int] | None = None) -> tuple[list[Sequence], dict[str, str]]:
-    """The Sequences :func:`write_sequences` wrote to ``path`` (features of the layer ``columns`` only, None: all), and
-    its metadata."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    shard = load_file(path)
-    with safe_open(path, "pt") as f:
-        metadata = f.metadata() or {}
-    if columns is not None:
-        shard["features"] = shard["features"][:, columns]
-    starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
-    from_target = shard.get("labels_from_target", torch.zeros(len(starts), dtype=torch.bool)).tolist()
-    # each sequence's response spans; a cache from before spans holds none: one response each, after the prompt
-    spans = [s.tolist() for s in shard["spans"].split(shard["span_counts"].tolist())] if "spans" in shard else [[]] * len(starts)
-    sequences = []
-    for start, length, prompt_len, flag, responses in zip(starts.tolist(), shard["lengths"].tolist(), shard["prompt_lens"].tolist(),
-                                                          from_target, spans):
-        end = start + length
-        sequences.append(Sequence(shard["input_ids"][start:end].long(), prompt_len, shard["features"][start:end], shard["top_probs"][start:end],
-                                  shard["top_ids"][start:end], flag, responses))
-    return sequences, metadata
 
 
 def kept_sequences(regen_dir: Path, layer_ids: list[int], top_k: int) -> dict[str, Sequence]:

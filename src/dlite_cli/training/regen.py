@@ -3,6 +3,9 @@
 Output, under ``<run-dir>/regen/``::
 
     chunks/00000.jsonl   one record per prompt of chunk 0 (a chunk is regen.chunk_size prompts)
+    chunks/00000.0003.features.safetensors
+                         what the engine computed over batch 3 of chunk 0's sequences, as the feature cache holds it
+                         (the dlite backend, where training caches features: features.FeatureCache takes them)
     skipped.jsonl        malformed source records and prompts that failed, with the reason
     manifest.json
 
@@ -36,7 +39,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
+
+import torch
 
 from ..core.artifacts import Stage
 from ..core.config import Config, RegenConfig, SourceConfig, config_hash
@@ -48,9 +53,7 @@ from ..data.prompts import Prompt, Skipped, plan_prompts
 from ..models.chat import chat_prompt_ids
 from ..models.linears import pack_modules
 from ..models.targets import Work, load_model, load_tokenizer, prepare_target
-
-if TYPE_CHECKING:
-    import torch
+from .sequences import FeatureRecorder, runner_sequence, spans_of, write_sequences
 
 RETRIES = 6  # attempts per request with the openai backend
 
@@ -71,12 +74,6 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not 0 <= index < count:
         raise DliteError(f"--shard {text!r}: expected 0 <= i < n")
     return index, count
-
-
-def spans_of(record: dict) -> list[list[int]]:
-    """The ``[start, end)`` ranges of ``record["input_ids"]`` that are its responses: a trace's ``spans``, else the one
-    after the prompt."""
-    return record["spans"] if "spans" in record else [[record["prompt_len"], len(record["input_ids"])]]
 
 
 def iter_records(run_dir: Path) -> Iterator[dict]:
@@ -119,8 +116,6 @@ class HFBackend:
         pass  # the model is the caller's
 
     def generate(self, prompt_ids: list[list[int]], messages: list[list[dict]], seed: int) -> list[Completion | str]:
-        import torch
-
         pad = self.tokenizer.pad_token_id
         width = max(map(len, prompt_ids))
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -155,14 +150,13 @@ class EngineBackend:
     transformers' ``generate`` computes it to the batch's end, and no prompt is padded (smollm2-135m's backend).  A
     trace's next turn finds the one before in the slot it left, as in the server, and prefills only what is new.
     ``keep``: (layer ids, top-k) to keep each sequence's features at those layers and its p^T as training's feature
-    cache holds them (features.FeatureRecorder), so that its feature pass takes them instead of running the target
+    cache holds them (sequences.FeatureRecorder), so that its feature pass takes them instead of running the target
     over every sequence again."""
 
     def __init__(self, model, tokenizer, regen: RegenConfig, keep: tuple[list[int], int] | None = None):
         from ..decoding.engine import Engine, stop_tokens_and_text
         from ..decoding.proposers.none import NoDrafter
         from ..models.runner import TargetRunner
-        from .features import FeatureRecorder
 
         runner = TargetRunner(model, [] if keep is None else sorted({*keep[0], len(model.model.layers)}), regen.batch_size, regen.max_length + 2)
         self.drafter = NoDrafter() if keep is None else FeatureRecorder(runner)
@@ -195,14 +189,10 @@ class EngineBackend:
             self.kept.update((tuple(r.tokens), self.drafter.kept.pop(r)) for r in requests)
         return [Completion(r.output_ids, r.text, "stop" if r.finish_reason == "stop" else "length") for r in requests]
 
-    def write_kept(self, records: list[dict], path: Path) -> int:
-        """Write to ``path`` the Sequences (features.Sequence) of the ``records`` whose features the engine kept, and forget
-        them all → how many it wrote.  Their last token's features are zeros: no pass reads that token, and no anchor's
+    def write_kept(self, records: list[dict], path: Path) -> None:
+        """Write to ``path`` the Sequences (sequences.Sequence) of the ``records`` whose features the engine kept, and forget
+        them all.  Their last token's features are zeros: no pass reads that token, and no anchor's
         pivot lies there."""
-        import torch
-
-        from .features import runner_sequence, write_sequences
-
         layer_ids, top_k = self.keep
         sequences = {}
         for record in records:
@@ -213,7 +203,6 @@ class EngineBackend:
         self.kept.clear()
         if sequences:
             write_sequences(path, list(sequences.values()), {"ids": json.dumps(list(sequences)), "layers": json.dumps(layer_ids), "top_k": str(top_k)})
-        return len(sequences)
 
 
 class OpenAIBackend:

@@ -10,9 +10,8 @@ import torch
 from ..core.config import TrainConfig
 from ..core.errors import DliteError
 from ..models.model import FULL_HISTORY, DrafterSpec
-from .features import Sequence
 from .losses import LOSSES, LossInputs
-from .regen import spans_of
+from .sequences import Sequence, spans_of
 
 
 @dataclass

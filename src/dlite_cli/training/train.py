@@ -41,8 +41,9 @@ from ..core.progress import progress_bar
 from ..models.model import Drafter, DrafterSpec
 from ..models.release import load_drafter
 from ..models.targets import Work, load_model, prepare_target, target_config
-from .features import FeatureCache, LayerCapture, Sequence, load_records, split_records, target_passes
+from .features import FeatureCache, LayerCapture, load_records, split_records, target_passes
 from .losses import position_weights
+from .sequences import Sequence
 from .steps import AUTOCAST, StagePlan, anchor_batch, frequent_tokens, stage_batches, stage_loss, stage_plan, synthetic_sequences, valid_anchors
 from .training_plan import fitting_micro_batch, training_plan
 
