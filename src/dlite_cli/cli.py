@@ -100,7 +100,8 @@ def regen(
     thinking: Annotated[Optional[bool], typer.Option("--thinking/--no-thinking", help="Qwen3 thinking mode.")] = None,
     reuse_from: Annotated[Optional[Path], typer.Option(metavar="DIR", help=(
         "Take the records another run's regen already wrote for prompts of this plan instead of generating them again"
-        " (the same target, sampling and max-new-tokens; a mix that grows regenerates only what is new)."))] = None,
+        " (the same target, sampling and max-new-tokens; a mix that grows regenerates only what is new), with the target"
+        " features its engine kept of them."))] = None,
     force: ForceOption = False,
 ) -> None:
     """Regenerate the training responses with the target model (resumable, shardable)."""

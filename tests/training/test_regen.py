@@ -334,12 +334,15 @@ def test_the_engine_keeps_each_records_features_and_p_t_as_the_feature_pass_comp
 
 def test_the_feature_stage_takes_what_regens_engine_kept_and_computes_the_rest(run_cli, tmp_path):
     ask = ["--target", "micro", "--run-dir", str(tmp_path / "run"), "--set", "regen.backend=dlite", "--set", "train.teacher_epochs=1"]
-    run_cli("regen", *ask, "--limit", "12")
+    small = ["--target", "micro", "--run-dir", str(tmp_path / "small"), "--set", "regen.backend=dlite"]
+    run_cli("regen", *small, "--set", "regen.sources=[{name: stdlib-code, count: 4}]")
+    reused = run_cli("regen", *ask, "--limit", "12", "--reuse-from", str(tmp_path / "small"))
     records = chunk_records(tmp_path / "run")
     regenerated = {i for i, r in records.items() if r.get("labels") != "target"}
+    taken = int(re.search(r"reused (\d+) records", reused.stderr).group(1))  # with the features the smaller run's engine kept
+    assert 0 < taken < len(regenerated) and len(kept_feature_files(tmp_path / "run")) >= 2
     assert set(kept_sequences(tmp_path / "run", [0, 2, 3], 8)) == regenerated  # micro's drafter reads layers 0, 2 and 3
     assert not kept_sequences(tmp_path / "run", [0, 1], 8) and not kept_sequences(tmp_path / "run", [0, 2, 3], 4)
-    assert len(kept_feature_files(tmp_path / "run")) >= 2  # one file a batch
     run_cli("train-teacher", *ask)
     summary = json.loads((tmp_path / "run" / "features" / "manifest.json").read_text())["summary"]
     originals = [r for r in records.values() if r.get("labels") == "target"]  # read teacher-forced: never generated

@@ -26,7 +26,8 @@ the plan, the final records equal those of an uninterrupted run.  ``--shard i/n`
 gives worker i the chunks c with c % n == i.  ``--reuse-from DIR`` takes another run's
 records for the prompts it already answered (a mix that grows regenerates only what is
 new): they are the chunk's first line of ``.partial`` (``"batch": "reused"``), and the
-chunk's batches are cut from the prompts left.
+chunk's batches are cut from the prompts left; the features its engine kept of them come along
+(``chunks/NNNNN.reused0.features.safetensors``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from ..data.prompts import Prompt, Skipped, plan_prompts
 from ..models.chat import chat_prompt_ids
 from ..models.linears import pack_modules
 from ..models.targets import Work, load_model, load_tokenizer, prepare_target
-from .sequences import FeatureRecorder, runner_sequence, spans_of, write_sequences
+from .sequences import FeatureRecorder, Sequence, read_sequences, runner_sequence, spans_of, write_sequences
 
 RETRIES = 6  # attempts per request with the openai backend
 
@@ -418,9 +419,20 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
     partial.unlink()
 
 
-def _records_of(run_dir: Path, config: Config, fingerprint: str) -> tuple[dict[str, dict], int]:
-    """The records of another run's finished regen chunks, by id, and the ``regen.max_length`` they were written
-    under.  Refused unless the same target wrote them with the same sampling and ``max_new_tokens``."""
+@dataclass
+class Written:
+    """What another run's regen stage wrote, for ``--reuse-from``: its finished records and the Sequences its engine kept
+    of them (id → the metadata of the file it was in, and the Sequence), by id, and the ``regen.max_length`` they were
+    written under."""
+
+    records: dict[str, dict]
+    kept: dict[str, tuple[dict[str, str], Sequence]]
+    max_length: int
+
+
+def _records_of(run_dir: Path, config: Config, fingerprint: str) -> Written:
+    """What another run's regen stage wrote (:class:`Written`).  Refused unless the same target wrote it with the same
+    sampling and ``max_new_tokens``."""
     manifest = Stage(run_dir, "regen").manifest()
     if manifest is None:
         raise DliteError(f"--reuse-from {run_dir}: it has no regen stage to reuse")
@@ -433,15 +445,19 @@ def _records_of(run_dir: Path, config: Config, fingerprint: str) -> tuple[dict[s
     differ = [f"{name} {a} there, {b} here" if name.startswith("regen") else name for name, (a, b) in same.items() if a != b]
     if differ:
         raise DliteError(f"--reuse-from {run_dir}: its records were written with a different " + "; ".join(differ))
-    return {r["id"]: r for r in _chunk_records(run_dir / "regen" / "chunks")}, theirs["regen"]["max_length"]
+    kept = {}
+    for path in kept_feature_files(run_dir):
+        sequences, metadata = read_sequences(path)
+        kept.update((i, (metadata, s)) for i, s in zip(json.loads(metadata["ids"]), sequences))
+    return Written({r["id"]: r for r in _chunk_records(run_dir / "regen" / "chunks")}, kept, theirs["regen"]["max_length"])
 
 
-def _reuse(written: tuple[dict[str, dict], int], chunks: list[list[Prompt]], chunks_dir: Path, shard, tokenizer, config: Config) -> int:
+def _reuse(written: Written, chunks: list[list[Prompt]], chunks_dir: Path, shard, tokenizer, config: Config) -> int:
     """Seed this shard's chunks that have not started with the ``written`` records of their prompts (a chunk that
-    they all cover is complete); return how many were taken.  A record is taken when it starts with the prompt's
-    ids and its length limit could not have cut it differently: the same ``max_length``, or a one-turn prompt
-    whose reply fits under both limits."""
-    records, their_max_length = written
+    they all cover is complete), and the Sequences the other run's engine kept of them; return how many records were
+    taken.  A record is taken when it starts with the prompt's ids and its length limit could not have cut it
+    differently: the same ``max_length``, or a one-turn prompt whose reply fits under both limits."""
+    records, their_max_length = written.records, written.max_length
     room = min(their_max_length, config.regen.max_length) - config.regen.max_new_tokens
 
     def taken(prompt: Prompt) -> dict | None:
@@ -458,12 +474,25 @@ def _reuse(written: tuple[dict[str, dict], int], chunks: list[list[Prompt]], chu
         if c % shard[1] != shard[0] or _chunk_path(chunks_dir, c).exists() or partial.exists():
             continue
         reused = [r for r in map(taken, chunk) if r is not None]
+        _carry_kept(written.kept, [r["id"] for r in reused], lambda n, c=c: chunks_dir / f"{c:05d}.reused{n}.features.safetensors")
         if len(reused) == len(chunk):
             atomic_write_text(_chunk_path(chunks_dir, c), "".join(json.dumps(r) + "\n" for r in reused))
         elif reused:
             atomic_write_text(partial, json.dumps({"batch": "reused", "records": reused}) + "\n")
         count += len(reused)
     return count
+
+
+def _carry_kept(kept: dict[str, tuple[dict[str, str], Sequence]], ids: list[str], path_of) -> None:
+    """Write the ``kept`` Sequences of the records ``ids`` to ``path_of(n)``, one file for each n-th kind of file they
+    came from (layers and top-k), so that the feature stage takes them as it takes this run's own."""
+    kinds: dict[tuple[str, str], list[tuple[str, Sequence]]] = {}
+    for i in ids:
+        if i in kept:
+            metadata, sequence = kept[i]
+            kinds.setdefault((metadata["layers"], metadata["top_k"]), []).append((i, sequence))
+    for n, ((layers, top_k), items) in enumerate(kinds.items()):
+        write_sequences(path_of(n), [s for _, s in items], {"ids": json.dumps([i for i, _ in items]), "layers": layers, "top_k": top_k})
 
 
 def _read_partial(partial: Path) -> dict[int | str, list[dict]]:
