@@ -22,7 +22,7 @@ from ..core.progress import progress_bar
 from ..models.runner import TargetRunner
 from .losses import dropped_mass
 from .regen import iter_records, kept_feature_files
-from .sequences import Sequence, read_sequences, runner_sequence, scored_sequence, write_sequences
+from .sequences import Sequence, read_sequences, runner_sequence, scored_sequence, sequences_metadata, write_sequences
 
 SHARD_SEQUENCES = 32  # sequences per cache shard: the unit of resume
 # A longer sequence fills a pass by itself, and one of a batch pays for the padding mask: attention then scores every
@@ -193,14 +193,11 @@ def kept_sequences(regen_dir: Path, layer_ids: list[int], top_k: int) -> dict[st
     ``top_k``, by record id, with those layers' features alone."""
     kept = {}
     for path in kept_feature_files(regen_dir):
-        sequences, metadata = read_sequences(path)
+        metadata = sequences_metadata(path)  # a file of other layers or another top-k is not read
         held = json.loads(metadata["layers"])
-        if int(metadata["top_k"]) != top_k or not set(layer_ids) <= set(held):
-            continue
-        columns = [held.index(i) for i in layer_ids]
-        for record_id, sequence in zip(json.loads(metadata["ids"]), sequences):
-            sequence.features = sequence.features[:, columns]
-            kept[record_id] = sequence
+        if int(metadata["top_k"]) == top_k and set(layer_ids) <= set(held):
+            sequences, _ = read_sequences(path, [held.index(i) for i in layer_ids])
+            kept.update(zip(json.loads(metadata["ids"]), sequences))
     return kept
 
 

@@ -123,15 +123,21 @@ def write_sequences(path: Path, sequences: list[Sequence], metadata: dict[str, s
         save_file(tensors, tmp, metadata)
 
 
+def sequences_metadata(path: Path) -> dict[str, str]:
+    """The metadata :func:`write_sequences` wrote to ``path``, read without its tensors."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata() or {}
+
+
 def read_sequences(path: Path, columns: list[int] | None = None) -> tuple[list[Sequence], dict[str, str]]:
     """The Sequences :func:`write_sequences` wrote to ``path`` (features of the layer ``columns`` only, None: all), and
     its metadata."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     shard = load_file(path)
-    with safe_open(path, "pt") as f:
-        metadata = f.metadata() or {}
+    metadata = sequences_metadata(path)
     if columns is not None:
         shard["features"] = shard["features"][:, columns]
     starts = torch.cumsum(shard["lengths"], 0) - shard["lengths"]
