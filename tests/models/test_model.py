@@ -10,8 +10,8 @@ from dlite_cli.models.release import load_drafter
 from dlite_cli.models.runner import TargetRunner
 from dlite_cli.models.targets import load_model, prepare_target
 from dlite_cli.training.features import FeatureCache, LayerCapture, engine_passes, length_batches, target_pass
-from dlite_cli.training.sequences import Sequence, write_sequences
 from dlite_cli.training.losses import position_weights
+from dlite_cli.training.sequences import Sequence, write_sequences
 from dlite_cli.training.steps import anchor_batch, batch_loss, stage_plan, valid_anchors
 
 K = 4
