@@ -16,6 +16,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -103,6 +104,39 @@ static inline float sum(fvec v) {
   for (int i = 0; i < LANES; ++i) s += v[i];
   return s;
 #endif
+}
+
+#if defined(__AVX__)
+static inline __m256 sums8(const __m256* v) {  // 8 vectors of 8 → their 8 sums
+  const __m256 v01 = _mm256_hadd_ps(v[0], v[1]), v23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 v45 = _mm256_hadd_ps(v[4], v[5]), v67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 low = _mm256_hadd_ps(v01, v23), high = _mm256_hadd_ps(v45, v67);  // [0..3 of each half's sums | 4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+
+// LANES vectors → a vector of their sums, r[k] = sum(v[k]) (in an order of its own: each sum depends on its vector alone)
+static inline fvec sums(const fvec* v) {
+  fvec r;
+#if defined(__AVX512F__)
+  __m256 halves[16];  // each vector's two halves added
+  for (int k = 0; k < 16; ++k) {
+    __m512 a;
+    std::memcpy(&a, v + k, sizeof a);
+    halves[k] = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  const __m256 low = sums8(halves), high = sums8(halves + 8);
+  std::memcpy(&r, &low, sizeof low);
+  std::memcpy(reinterpret_cast<float*>(&r) + 8, &high, sizeof high);
+#elif defined(__AVX__)
+  __m256 a[8];
+  std::memcpy(a, v, sizeof a);
+  const __m256 s = sums8(a);
+  std::memcpy(&r, &s, sizeof r);
+#else
+  for (int k = 0; k < LANES; ++k) r[k] = sum(v[k]);
+#endif
+  return r;
 }
 
 static inline void to_float(const Half* h, int64_t n, float* out) {
@@ -419,53 +453,6 @@ static void with_head_dim(int64_t d, F f) {
   }
 }
 
-// The G queries q (G, D) of the heads that share a KV head, at one position, over the first n of its keys and values
-// K, V (n, D) → out (G, D) = softmax(q·Kᵀ·scale)·V (each key and value read once for the G); ``scores`` (G, n) their
-// scratch.  A query's arithmetic is its own: the same whatever else a pass holds.
-template <int D, int G, typename T>
-static void attend(const float* q, const T* K, const T* V, int64_t n, float scale, float* scores, T* out) {
-  fvec query[G][D / LANES], acc[G][D / LANES];
-  float top[G], normaliser[G];
-  for (int g = 0; g < G; ++g) {
-    for (int j = 0; j < D / LANES; ++j) query[g][j] = load(q + g * D + LANES * j) * scale;
-    top[g] = -INFINITY;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    fvec key[D / LANES];
-    for (int j = 0; j < D / LANES; ++j) key[j] = load(K + t * D + LANES * j);
-    for (int g = 0; g < G; ++g) {
-      fvec products{};
-      for (int j = 0; j < D / LANES; ++j) products += query[g][j] * key[j];
-      scores[g * n + t] = sum(products);
-      top[g] = std::max(top[g], scores[g * n + t]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* score = scores + g * n;
-    fvec total{};
-    int64_t t = 0;
-    for (; t + LANES <= n; t += LANES) {
-      const fvec e = expv(load(score + t) - top[g]);
-      store(score + t, e);
-      total += e;
-    }
-    for (; t < n; ++t) {  // the last few, one at a time
-      score[t] = expv(splat(score[t] - top[g]))[0];
-      total[0] += score[t];
-    }
-    normaliser[g] = 1.f / sum(total);
-    for (int j = 0; j < D / LANES; ++j) acc[g][j] = fvec{};
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    fvec value[D / LANES];
-    for (int j = 0; j < D / LANES; ++j) value[j] = load(V + t * D + LANES * j);
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < D / LANES; ++j) acc[g][j] += scores[g * n + t] * value[j];
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < D / LANES; ++j) store(out + g * D + LANES * j, acc[g][j] * normaliser[g]);
-}
-
 // f(std::integral_constant<int, G>) for the query heads a KV head serves (1 to MAX_GROUP)
 template <int G = 1, typename F>
 static void with_group(int64_t group, F f) {
@@ -475,18 +462,125 @@ static void with_group(int64_t group, F f) {
   }
 }
 
-// The attention of a pass's queries (B, Q, H, D) float32 over their rows' keys and values → out (B, Q, H·D), a work
-// item a token and KV head
+constexpr int64_t KEY_CHUNK = 128;  // keys a work item attends over (a multiple of 16): a row's keys are split at multiples of it
+constexpr int64_t MERGES_A_THREAD = 64;  // the fewest (token, KV head) merges worth a thread of their own
+constexpr int64_t VALUE_BLOCK = 16;  // values taken by every query of a chunk in turn, while they are in the L1 cache
+
+// The M queries q (M, D) of one KV head, scaled, over a chunk of its n keys and values K, V (n, D), query m over the
+// first limit[m] of them (0 .. n) → the chunk's share, unnormalised: out (M, D) = Σ_t e_mt V_t with e_mt =
+// exp(q_m·K_t − top_m), top (M,) the largest score and total (M,) = Σ_t e_mt (−inf, 0 and 0 where limit[m] is 0);
+// ``scores`` (M, KEY_CHUNK) their scratch.  Keys are taken LANES at a time, values VALUE_BLOCK at a time, each block
+// read once from memory for all M queries; a query's arithmetic is its own, the same whatever else a pass holds.
+template <int D, typename T>
+static void attend_chunk(const float* q, const int64_t* limit, int64_t M, const T* K, const T* V, int64_t n, float* scores,
+                         float* top, float* total, float* out) {
+  T padded[LANES * D];  // the chunk's last keys where they fill part of a group, zeros after them
+  for (int64_t t0 = 0; t0 < n; t0 += LANES) {
+    const T* group = K + t0 * D;
+    if (t0 + LANES > n) {
+      std::fill(padded, padded + LANES * D, T(0));
+      std::memcpy(padded, group, (n - t0) * D * sizeof(T));
+      group = padded;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      if (t0 >= limit[m]) continue;
+      fvec products[LANES] = {};  // key k's products with the query, a lane a share of the dimensions
+      for (int j = 0; j < D / LANES; ++j) {
+        const fvec query = load(q + m * D + LANES * j);
+        for (int k = 0; k < LANES; ++k) products[k] += query * load(group + k * D + LANES * j);
+      }
+      store(scores + m * KEY_CHUNK + t0, sums(products));
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    float* score = scores + m * KEY_CHUNK;
+    const int64_t v = limit[m];
+    fvec most = splat(-INFINITY);
+    int64_t t = 0;
+    for (; t + LANES <= v; t += LANES) {
+      const fvec x = load(score + t);
+      most = most < x ? x : most;
+    }
+    float largest = -INFINITY;
+    for (int k = 0; k < LANES; ++k) largest = std::max(largest, most[k]);
+    for (; t < v; ++t) largest = std::max(largest, score[t]);
+    fvec exps{};
+    t = 0;
+    for (; t + LANES <= v; t += LANES) {
+      const fvec e = expv(load(score + t) - largest);
+      store(score + t, e);
+      exps += e;
+    }
+    for (; t < v; ++t) {  // the last few, one at a time
+      score[t] = expv(splat(score[t] - largest))[0];
+      exps[0] += score[t];
+    }
+    top[m] = largest;
+    total[m] = sum(exps);
+    for (int j = 0; j < D / LANES; ++j) store(out + m * D + LANES * j, fvec{});
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += VALUE_BLOCK)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* score = scores + m * KEY_CHUNK;
+      const int64_t t1 = std::min(t0 + VALUE_BLOCK, limit[m]);
+      if (t0 >= t1) continue;
+      fvec acc[D / LANES];
+      for (int j = 0; j < D / LANES; ++j) acc[j] = load(out + m * D + LANES * j);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int j = 0; j < D / LANES; ++j) acc[j] += score[t] * load(V + t * D + LANES * j);
+      for (int j = 0; j < D / LANES; ++j) store(out + m * D + LANES * j, acc[j]);
+    }
+}
+
+// The attention of a pass's queries (B, Q, H, D) float32 over their rows' keys and values → out (B, Q, H·D), as flash
+// decoding splits it: a work item a row, KV head and chunk of KEY_CHUNK keys (each key read once for the row's Q·G
+// queries of that head), then each query's chunks merged in order.  A chunk starts at a multiple of KEY_CHUNK, so a
+// query's chunks, and its result, are the same in a step, in any verify and in any batch.
 template <int D, int G, typename T>
 static void attend_rows(const float* queries, const T* keys, const T* values, T* out, const int64_t* slot, const int64_t* start,
                         int64_t B, int64_t Q, int64_t KV, int64_t A, float scale, bool causal) {
-  at::parallel_for(0, B * Q * KV, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores;
-    for (int64_t w = w0; w < w1; ++w) {  // row b, token i, KV head h: query heads h G .. h G + G − 1
-      const int64_t b = w / (Q * KV), i = w / KV % Q, h = w % KV, n = causal ? start[b] + i + 1 : start[b] + Q;
-      const int64_t at = (slot[b] * KV + h) * A * D;
-      scores.resize(G * n);
-      attend<D, G>(queries + w * G * D, keys + at, values + at, n, scale, scores.data(), out + w * G * D);
+  const int64_t M = Q * G;  // a row's queries of one KV head: token i's heads are i G .. i G + G − 1
+  std::vector<int64_t> first(B + 1, 0);  // row b's work items: first[b] .. first[b + 1] − 1, KV head by KV head
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + KV * ((start[b] + Q + KEY_CHUNK - 1) / KEY_CHUNK);
+  // a query's limit: the keys it attends to, 0 .. its own position (causal), or all of its row's
+  const auto seen = [&](int64_t b, int64_t i) { return causal ? start[b] + i + 1 : start[b] + Q; };
+  std::vector<float> shares(first[B] * M * D), tops(first[B] * M), totals(first[B] * M);
+  at::parallel_for(0, first[B], 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> q(M * D), scores(M * KEY_CHUNK);
+    std::vector<int64_t> limit(M);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
+      const int64_t chunks = (first[b + 1] - first[b]) / KV, h = (w - first[b]) / chunks, c = (w - first[b]) % chunks;
+      const int64_t from = c * KEY_CHUNK, n = std::min(KEY_CHUNK, start[b] + Q - from);
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* query = queries + (((b * Q + i) * KV + h) * G + g) * D;
+          for (int64_t j = 0; j < D; ++j) q[(i * G + g) * D + j] = query[j] * scale;
+          limit[i * G + g] = std::clamp(seen(b, i) - from, int64_t(0), n);
+        }
+      const int64_t at = ((slot[b] * KV + h) * A + from) * D;
+      attend_chunk<D>(q.data(), limit.data(), M, keys + at, values + at, n, scores.data(), tops.data() + w * M,
+                      totals.data() + w * M, shares.data() + w * M * D);
+    }
+  });
+  at::parallel_for(0, B * Q * KV, MERGES_A_THREAD, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {  // row b, token i, KV head h: its G queries over their chunks
+      const int64_t b = w / (Q * KV), i = w / KV % Q, h = w % KV;
+      const int64_t chunks = (first[b + 1] - first[b]) / KV, used = (seen(b, i) + KEY_CHUNK - 1) / KEY_CHUNK;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t m = i * G + g, item = first[b] + h * chunks;
+        float largest = -INFINITY;
+        for (int64_t c = 0; c < used; ++c) largest = std::max(largest, tops[(item + c) * M + m]);
+        fvec acc[D / LANES] = {};
+        float total = 0.f;
+        for (int64_t c = 0; c < used; ++c) {
+          const float weight = expv(splat(tops[(item + c) * M + m] - largest))[0];
+          total += weight * totals[(item + c) * M + m];
+          const float* share = shares.data() + ((item + c) * M + m) * D;
+          for (int j = 0; j < D / LANES; ++j) acc[j] += weight * load(share + LANES * j);
+        }
+        for (int j = 0; j < D / LANES; ++j) store(out + (((b * Q + i) * KV + h) * G + g) * D + LANES * j, acc[j] * (1.f / total));
+      }
     }
   });
 }
