@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -544,7 +545,8 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + KV * ((start[b] + Q + KEY_CHUNK - 1) / KEY_CHUNK);
   // a query's limit: the keys it attends to, 0 .. its own position (causal), or all of its row's
   const auto seen = [&](int64_t b, int64_t i) { return causal ? start[b] + i + 1 : start[b] + Q; };
-  std::vector<float> shares(first[B] * M * D), tops(first[B] * M), totals(first[B] * M);
+  // each work item's share, largest score and total for its M queries: every one written before it is read
+  const std::unique_ptr<float[]> shares(new float[first[B] * M * D]), tops(new float[first[B] * M]), totals(new float[first[B] * M]);
   at::parallel_for(0, first[B], 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> q(M * D), scores(M * KEY_CHUNK);
     std::vector<int64_t> limit(M);
@@ -559,8 +561,8 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
           limit[i * G + g] = std::clamp(seen(b, i) - from, int64_t(0), n);
         }
       const int64_t at = ((slot[b] * KV + h) * A + from) * D;
-      attend_chunk<D>(q.data(), limit.data(), M, keys + at, values + at, n, scores.data(), tops.data() + w * M,
-                      totals.data() + w * M, shares.data() + w * M * D);
+      attend_chunk<D>(q.data(), limit.data(), M, keys + at, values + at, n, scores.data(), tops.get() + w * M,
+                      totals.get() + w * M, shares.get() + w * M * D);
     }
   });
   at::parallel_for(0, B * Q * KV, MERGES_A_THREAD, [&](int64_t w0, int64_t w1) {
@@ -576,7 +578,7 @@ static void attend_rows(const float* queries, const T* keys, const T* values, T*
         for (int64_t c = 0; c < used; ++c) {
           const float weight = expv(splat(tops[(item + c) * M + m] - largest))[0];
           total += weight * totals[(item + c) * M + m];
-          const float* share = shares.data() + ((item + c) * M + m) * D;
+          const float* share = shares.get() + ((item + c) * M + m) * D;
           for (int j = 0; j < D / LANES; ++j) acc[j] += weight * load(share + LANES * j);
         }
         for (int j = 0; j < D / LANES; ++j) store(out + (((b * Q + i) * KV + h) * G + g) * D + LANES * j, acc[j] * (1.f / total));
