@@ -54,7 +54,7 @@ from ..data.prompts import Prompt, Skipped, plan_prompts
 from ..models.chat import chat_prompt_ids
 from ..models.linears import pack_modules
 from ..models.targets import Work, load_model, load_tokenizer, prepare_target
-from .sequences import FeatureRecorder, Sequence, read_sequences, runner_sequence, spans_of, write_sequences
+from .sequences import FeatureRecorder, Sequence, read_sequences, runner_sequence, sequences_metadata, spans_of, write_sequences
 
 RETRIES = 6  # attempts per request with the openai backend
 
@@ -421,12 +421,12 @@ def _run_chunk(chunk, prompts, chunks_dir, generator, tokenizer, config, regen) 
 
 @dataclass
 class Written:
-    """What another run's regen stage wrote, for ``--reuse-from``: its finished records and the Sequences its engine kept
-    of them (id → the metadata of the file it was in, and the Sequence), by id, and the ``regen.max_length`` they were
+    """What another run's regen stage wrote, for ``--reuse-from``: its finished records by id, the file of Sequences its
+    engine kept of each (id → path, read from the files' metadata alone), and the ``regen.max_length`` they were
     written under."""
 
     records: dict[str, dict]
-    kept: dict[str, tuple[dict[str, str], Sequence]]
+    kept: dict[str, Path]
     max_length: int
 
 
@@ -445,10 +445,7 @@ def _records_of(run_dir: Path, config: Config, fingerprint: str) -> Written:
     differ = [f"{name} {a} there, {b} here" if name.startswith("regen") else name for name, (a, b) in same.items() if a != b]
     if differ:
         raise DliteError(f"--reuse-from {run_dir}: its records were written with a different " + "; ".join(differ))
-    kept = {}
-    for path in kept_feature_files(run_dir):
-        sequences, metadata = read_sequences(path)
-        kept.update((i, (metadata, s)) for i, s in zip(json.loads(metadata["ids"]), sequences))
+    kept = {i: path for path in kept_feature_files(run_dir) for i in json.loads(sequences_metadata(path)["ids"])}
     return Written({r["id"]: r for r in _chunk_records(run_dir / "regen" / "chunks")}, kept, theirs["regen"]["max_length"])
 
 
@@ -483,14 +480,16 @@ def _reuse(written: Written, chunks: list[list[Prompt]], chunks_dir: Path, shard
     return count
 
 
-def _carry_kept(kept: dict[str, tuple[dict[str, str], Sequence]], ids: list[str], path_of) -> None:
-    """Write the ``kept`` Sequences of the records ``ids`` to ``path_of(n)``, one file for each n-th kind of file they
-    came from (layers and top-k), so that the feature stage takes them as it takes this run's own."""
+def _carry_kept(kept: dict[str, Path], ids: list[str], path_of) -> None:
+    """Write the Sequences of the records ``ids`` from the ``kept`` files that hold them to ``path_of(n)``, one file for
+    each n-th kind of file they came from (layers and top-k), so that the feature stage takes them as it takes this
+    run's own.  Only the files holding one of ``ids`` are read."""
+    wanted = set(ids)
     kinds: dict[tuple[str, str], list[tuple[str, Sequence]]] = {}
-    for i in ids:
-        if i in kept:
-            metadata, sequence = kept[i]
-            kinds.setdefault((metadata["layers"], metadata["top_k"]), []).append((i, sequence))
+    for path in sorted({kept[i] for i in wanted if i in kept}):
+        sequences, metadata = read_sequences(path)
+        items = kinds.setdefault((metadata["layers"], metadata["top_k"]), [])
+        items += [(i, s) for i, s in zip(json.loads(metadata["ids"]), sequences) if i in wanted and kept[i] == path]
     for n, ((layers, top_k), items) in enumerate(kinds.items()):
         write_sequences(path_of(n), [s for _, s in items], {"ids": json.dumps([i for i, _ in items]), "layers": layers, "top_k": top_k})
 
