@@ -653,10 +653,10 @@ def test_in_bfloat16_every_method_writes_plain_decodings_text_on_the_cpu_kernels
     assert make_engine(micro_bfloat16, proposer).stats.draft_tokens == K
 
 
-def test_a_target_whose_weights_a_gguf_file_held_4_and_8_bit_decodes_its_own_greedy_text(micro):
+@pytest.fixture(scope="module")
+def micro_gguf(micro):
     """The micro target with every decoder-layer weight moved to 4-bit levels and its LM head to 8-bit ones, as a GGUF
-    Q4_1 model's dequantise: the engine reads them in that form and writes, with any drafter, the text the Hugging
-    Face model writes."""
+    Q4_1 model's dequantise."""
     import copy
 
     model = copy.deepcopy(micro[0])
@@ -664,18 +664,42 @@ def test_a_target_whose_weights_a_gguf_file_held_4_and_8_bit_decodes_its_own_gre
         for seed, linear in enumerate(layer_linears(model)):
             linear.weight.copy_(on_levels(*linear.weight.shape, bits=4, seed=seed))
         model.lm_head.weight.copy_(on_levels(*model.lm_head.weight.shape, bits=8))
-    linears = target_linears(model)
-    if linears.head.quantized is None:
+    if target_linears(model).head.quantized is None:
         pytest.skip("dlite's CPU kernels do not run here")
-    assert {p.quantized.kind for p in linears.projections} == {"q4", "q8"}
-    prompt = micro[1]("def main():\n    parser = argparse.ArgumentParser()", add_special_tokens=False)["input_ids"]
+    return model, micro[1]
+
+
+def test_a_target_whose_weights_a_gguf_file_held_4_and_8_bit_decodes_its_own_greedy_text(micro_gguf):
+    """The engine reads such weights in that form and writes, with any drafter, the text the Hugging Face model writes."""
+    model, tokenizer = micro_gguf
+    assert {p.quantized.kind for p in target_linears(model).projections} == {"q4", "q8"}
+    prompt = tokenizer("def main():\n    parser = argparse.ArgumentParser()", add_special_tokens=False)["input_ids"]
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     for proposer in (NoDrafter(), NgramDrafter(K)):
-        (request,) = make_engine((model, micro[1]), proposer, slots=1).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
+        (request,) = make_engine(micro_gguf, proposer, slots=1).run([Request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))])
         assert request.output_ids == ids[len(prompt) :]
+
+
+def test_a_narrow_pass_runs_its_layers_in_one_kernel_call_and_computes_what_the_layer_by_layer_loop_does(micro_gguf):
+    """Over 4- and 8-bit weights a pass of at most QUANTIZED_ROWS tokens runs every decoder layer in one call of the
+    kernels: the same logits and captured features, bit for bit, as the loop over the layers' own kernel calls, in a
+    step, a verify and a batch of rows at different lengths."""
+    model, _ = micro_gguf
+    runner = TargetRunner(model, [0, 2, model.config.num_hidden_layers], 3, 256)
+    assert runner.kernel_layers is not None
+    for slot, length in enumerate((40, 57, 3)):
+        runner.prefill(slot, list(range(5, 5 + length)), all_features=False)
+    for slots, width in (([0], 1), ([1], 5), ([0, 1, 2], 4)):
+        tokens = torch.randint(0, 100, (len(slots), width), generator=torch.Generator().manual_seed(width))
+        fused = runner.verify(slots, tokens)
+        layers, runner.kernel_layers = runner.kernel_layers, None
+        loop = runner.verify(slots, tokens)
+        runner.kernel_layers = layers
+        assert fused[1].shape == (len(slots), width, 3, model.config.hidden_size)
+        assert all(torch.equal(a, b) for a, b in zip(fused, loop))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

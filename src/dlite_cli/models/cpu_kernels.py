@@ -5,8 +5,10 @@ TensorIterator, an OpenMP fork for the smallest op) were most of it: 21 ms a ste
 2-core AVX-512 EPYC, where the kernels' share was a third.  Each operation here is one call: a 4-bit or 8-bit
 matmul over weights as a GGUF file holds them (read as 5 and 9 bits a weight), an RMSNorm with the residual
 add before it, the MLP's gate, and a pass's whole attention (rotary embedding, KV-cache writes, attention over
-each row's own length, split by chunks of keys as flash decoding splits it: a verify's tokens read each key once).  Each computes in float32, and a row alike whatever else the pass holds, so a position's
-result does not depend on how many tokens or rows were verified with it.
+each row's own length, split by chunks of keys as flash decoding splits it: a verify's tokens read each key once);
+and where every projection is 4- or 8-bit, a narrow pass's decoder layers all in one call (``DecoderLayers``, the
+same kernels in the same order, without the Python between them).  Each computes in float32, and a row alike
+whatever else the pass holds, so a position's result does not depend on how many tokens or rows were verified with it.
 
 They are compiled once per machine, with its compiler and for its instruction set (``-march=native``, capped where
 PyTorch's own kernels are: ``ATEN_CPU_CAPABILITY=avx2`` compiles them without AVX-512), into the dlite cache, the

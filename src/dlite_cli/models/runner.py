@@ -14,7 +14,8 @@ slot keeps (the accepted ones: entries beyond a slot's length are masked now and
 Rows of different lengths share one batched pass, which is what lets each row accept its own number
 of tokens.  Its matmuls run through :func:`linears.target_linears` (on a CPU: fused, oneDNN-packed, and 4- or 8-bit
 where the weights are), the rest of a layer through :func:`layer_ops.target_ops` (on a CPU: dlite's kernels, one call
-an operation).  Two ways to run a pass (``decode.path``):
+an operation); where both are dlite's kernels, a narrow pass runs all the layers in one call of them (``DecoderLayers``
+in cpu_kernels.cpp).  Two ways to run a pass (``decode.path``):
 
     eager    shapes follow the batch: the rows asked for, the tokens given, keys up to the longest row
     static   fixed shapes: the first ``bucket`` slots (the rows asked for, the others padding), ``width``
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 from ..core.devices import median_ms
 from ..core.errors import DliteError
 from .graphs import CudaGraphs, bucket_for
-from .layer_ops import AttentionParams, Norm, PassPositions, target_ops
-from .linears import target_linears
+from .layer_ops import KERNEL_TOKENS, AttentionParams, KernelOps, Norm, PassPositions, target_ops
+from .linears import QUANTIZED_ROWS, target_linears
 from .model import SUPPORTED_FAMILIES
 
 INITIAL_ALLOCATION = 1024  # cache positions per slot allocated up front; grown by doubling up to capacity
@@ -91,6 +92,7 @@ class TargetRunner:
         self.first_norm = Norm.of(self.layers[0].input_layernorm)
         self.layer_params = [(AttentionParams.of(layer.self_attn), Norm.of(layer.post_attention_layernorm), Norm.of(after))
                              for layer, after in zip(self.layers, next_norms)]
+        self.kernel_layers = self._kernel_layers()
         shape = (slots, self.ops.kv_heads, min(capacity, INITIAL_ALLOCATION), self.ops.head_dim)
         self.keys = [torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in self.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
@@ -104,6 +106,23 @@ class TargetRunner:
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
+
+    def _kernel_layers(self):
+        """The decoder layers as one call of dlite's CPU kernels, for the passes that read the 4- and 8-bit copies and run
+        the attention kernel (at most QUANTIZED_ROWS tokens, KERNEL_TOKENS a row): where every projection has such a copy and the layer
+        ops are the kernels; else None."""
+        ops, layers = self.ops, self.linears.layers
+        projections = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
+        if not isinstance(ops, KernelOps) or any(p.quantized is None for ps in projections for p in ps):
+            return None
+        weights, numbers = [], []
+        for ps, (attention, post_attention, after) in zip(projections, self.layer_params):
+            q_norm, k_norm = attention.q_norm, attention.k_norm
+            weights.append([t for p in ps for t in (p.quantized.codes, p.quantized.scales)]
+                           + [ops.none if q_norm is None else q_norm.weight, ops.none if k_norm is None else k_norm.weight,
+                              post_attention.weight, after.weight])
+            numbers.append([0.0 if q_norm is None else q_norm.eps, post_attention.eps, after.eps, attention.scaling])
+        return ops.kernels.DecoderLayers(weights, numbers, ops.heads)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens.to(self.device))
@@ -262,13 +281,18 @@ class TargetRunner:
         h = inner.embed_tokens(tokens)
         at = PassPositions(rows, self._row_index(rows), positions, span, mask, start, *inner.rotary_emb(h, positions))
         x = ops.norm(h, self.first_norm)
-        captured = []
-        for index, ((attention, post_attention, after), linears) in enumerate(zip(self.layer_params, self.linears.layers)):
-            attended = ops.attention(attention, linears.qkv.fused(x), self.keys[index], self.values[index], at)
-            h, x = ops.add_norm(h, linears.o.fused(attended), post_attention)
-            h, x = ops.add_norm(h, linears.down.fused(ops.gate(linears.gate_up.fused(x), linears.act)), after)
-            if index in self.capture_layers:
-                captured.append(h[:, -1:] if features_at_last else h)
+        if self.kernel_layers is not None and tokens.numel() <= QUANTIZED_ROWS and tokens.shape[1] <= KERNEL_TOKENS:
+            h, x, captured = self.kernel_layers.run(h, x, self.keys, self.values, at.cos, at.sin, at.slots, at.positions[:, 0],
+                                                    self.capture_layers)
+            captured = [c[:, -1:] for c in captured] if features_at_last else captured
+        else:
+            captured = []
+            for index, ((attention, post_attention, after), linears) in enumerate(zip(self.layer_params, self.linears.layers)):
+                attended = ops.attention(attention, linears.qkv.fused(x), self.keys[index], self.values[index], at)
+                h, x = ops.add_norm(h, linears.o.fused(attended), post_attention)
+                h, x = ops.add_norm(h, linears.down.fused(ops.gate(linears.gate_up.fused(x), linears.act)), after)
+                if index in self.capture_layers:
+                    captured.append(h[:, -1:] if features_at_last else h)
         if len(self.layers) in self.capture_layers:  # feature id L: the final-normed output (the release's last slot)
             captured.append(x[:, -1:] if features_at_last else x)
         B, Q = tokens.shape
