@@ -1,8 +1,12 @@
 """Adaptive draft length: the cost rule, the online calibration, and a row's recent gain."""
 
+import time
 from types import SimpleNamespace
 
+import torch
+
 from dlite_cli.decoding.adaptive import GAIN_DECAY, GAIN_HOPE, PRIOR_WEIGHT, Calibration, Candidate, RowGain, VerifyCosts
+from dlite_cli.decoding.proposers.base import Draft
 from dlite_cli.decoding.proposers.hybrid import HybridDrafter
 from dlite_cli.decoding.proposers.model import ModelDrafter
 from dlite_cli.decoding.proposers.ngram import NgramDrafter
@@ -180,3 +184,30 @@ def test_the_hybrid_takes_the_lookup_where_it_commits_more_per_ms_than_the_model
     # against a model whose rounds committed 0.8 of 2 proposals (1.8 / 90)
     model.gain.gains[0] = (0.8, 2.0)
     assert hybrid._lookup_first(Candidate(list(range(7)), [(3, i) for i in range(7)], proposed=7), 0)
+
+
+class SlowDrafter(ModelDrafter):
+    """Proposes K = 2 tokens at 0.9 each in rounds that take 25 ms, though timed warm at start-up they take 5."""
+
+    _device = torch.device("cpu")
+
+    def round_ms(self):
+        return 5.0
+
+    def _model_draft(self, rows, pick):
+        time.sleep(0.025)
+        return Draft(torch.zeros(len(rows), 2, dtype=torch.long), [2] * len(rows), None, torch.full((len(rows), 2), 0.9))
+
+
+def test_a_drafter_prices_its_rounds_at_what_they_take_in_the_engine():
+    """A round's cost starts where start-up timed it, and the rounds the engine runs move it: a row whose gain pays
+    for a 5 ms round ((1 + 0.4) / (5 + 50) > 1 / 40) stops being drafted once its rounds are seen to take 25."""
+    drafter = SlowDrafter("slow", 2, [])
+    drafter.adapt(VerifyCosts([40.0, 50.0, 60.0]))
+    assert drafter.draft_ms == 5.0 and drafts(drafter.costs, (0.4, 1.0), drafter.draft_ms)
+    rounds = 0
+    for _ in range(20):
+        drafter.gain.gains[0] = (0.4, 1.0)  # the row's gain held where a 5 ms round pays
+        rounds += drafter.propose([SimpleNamespace(slot=0)], greedy_pick).lengths[0] > 0
+        drafter.proposed.clear(), drafter.gain.drafting.clear()
+    assert 1 <= rounds <= 3 and drafter.draft_ms > 6.0 and not drafts(drafter.costs, (0.4, 1.0), drafter.draft_ms)

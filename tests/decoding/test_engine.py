@@ -486,6 +486,9 @@ class SelfDrafter(ModelDrafter):
     def round_ms(self):
         return 0.0
 
+    def _observe_round(self, ms):
+        pass  # its round is taken to cost nothing, however long the target's own passes take
+
     def _model_draft(self, rows, pick):
         tokens = torch.zeros(len(rows), self.draft_tokens, dtype=torch.long)
         logits = torch.zeros(len(rows), self.draft_tokens, self.model.config.vocab_size, dtype=self.dtype)

@@ -17,7 +17,8 @@ tokens faster than plain steps would (:meth:`VerifyCosts.rows_to_draft`, from th
 than a step and the drafter is weak, rows are mostly decoded plainly and probed now and then.  A new
 row starts where recent rows ended, so short turns (a chat's, 32 tokens in the bench) do not each
 relearn that drafting does not pay.  The draft round's cost is measured at start-up, warm, like the
-batch-1 verify costs; a batch's costs start from those (:meth:`VerifyCosts.at`).  Any such rule leaves
+batch-1 verify costs; a batch's costs start from those (:meth:`VerifyCosts.at`), and both follow what the rounds the
+engine runs take (:meth:`VerifyCosts.observe`, ``ModelDrafter._observe_round``).  Any such rule leaves
 the output exact: it depends only on the drafter's side.
 """
 

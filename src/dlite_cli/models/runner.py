@@ -108,9 +108,9 @@ class TargetRunner:
         return self.keys[0].device
 
     def _kernel_layers(self):
-        """The decoder layers as one call of dlite's CPU kernels, for the passes that read the 4- and 8-bit copies and run
-        the attention kernel (at most QUANTIZED_ROWS tokens, KERNEL_TOKENS a row): where every projection has such a copy and the layer
-        ops are the kernels; else None."""
+        """The decoder layers as one call of dlite's CPU kernels, for the passes that read the 4- and 8-bit copies and
+        run the attention kernel (at most QUANTIZED_ROWS tokens, KERNEL_TOKENS a row): where every projection has such
+        a copy and the layer ops are the kernels; else None."""
         ops, layers = self.ops, self.linears.layers
         projections = [[layer.qkv, layer.o, layer.gate_up, layer.down] for layer in layers]
         if not isinstance(ops, KernelOps) or any(p.quantized is None for ps in projections for p in ps):

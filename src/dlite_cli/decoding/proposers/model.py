@@ -7,11 +7,11 @@ import dataclasses
 
 import torch
 
-from ...core.devices import median_ms
+from ...core.devices import median_ms, now
 from ...core.precision import decide
 from ...models.draft_round import DraftRound
 from ...models.model import Drafter
-from ..adaptive import Calibration, Candidate, RowGain, VerifyCosts
+from ..adaptive import COST_MEMORY, Calibration, Candidate, RowGain, VerifyCosts
 from .base import CONFIDENCE_BINS, Draft, Proposer, for_rows, merged
 
 
@@ -25,7 +25,7 @@ class ModelDrafter(Proposer):
         self.calibration = Calibration(prior=lambda key: (key + 0.5) / CONFIDENCE_BINS)  # key: the probability's bin
         self.gain = RowGain()
         self.proposed: dict[int, Candidate] = {}  # slot → this round's candidate (absent: not drafted)
-        self.draft_ms = 0.0  # a model round's time at batch 1, measured warm by ``adapt``
+        self.draft_ms = 0.0  # a model round's time: measured warm at batch 1 by ``adapt``, then as the engine runs them
 
     def adapt(self, costs: VerifyCosts) -> None:
         super().adapt(costs)
@@ -48,12 +48,14 @@ class ModelDrafter(Proposer):
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
         if not drafted:
             return Draft(tokens, [0] * B, None)
+        start = now(self._device)
         draft = self._model_draft([rows[b] for b in drafted], for_rows(pick, drafted))
         lengths = [0] * B
         if self.costs is None:
             lengths = [K if b in drafted else 0 for b in range(B)]
         else:  # one read of the drafts and their probabilities
             read = torch.cat([draft.tokens.float(), draft.confidence.float()], dim=1).tolist()
+            self._observe_round(1000 * (now(self._device) - start))
             keys = [[min(int(c * CONFIDENCE_BINS), CONFIDENCE_BINS - 1) for c in row_read[K:]] for row_read in read]
             proposed = costs.best_length([[self.calibration.estimate(k) for k in row_keys] for row_keys in keys] + list(others), self.draft_ms)
             for i, b in enumerate(drafted):
@@ -64,6 +66,13 @@ class ModelDrafter(Proposer):
         if len(drafted) == B:
             return Draft(draft.tokens, lengths, draft.logits, draft.confidence)
         return merged(tokens, lengths, drafted, draft)
+
+    def _observe_round(self, ms: float) -> None:
+        """A round of the model took ``ms``: ``draft_ms`` moves part of the way there, as a verify's cost level does
+        (adaptive.py), since between target passes a round costs more than warm ones back to back (on a 2-core AVX2
+        EPYC, 6–10 ms against 4.8 at the agentic workloads' contexts: its weights and activations no longer in cache),
+        and a round over several rows more than one over one."""
+        self.draft_ms *= (ms / self.draft_ms) ** COST_MEMORY
 
     def observe(self, row, accepted: int, next_token: int | None) -> None:
         candidate = self.proposed.pop(row.slot, None)
