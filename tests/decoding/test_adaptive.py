@@ -209,5 +209,6 @@ def test_a_drafter_prices_its_rounds_at_what_they_take_in_the_engine():
     for _ in range(20):
         drafter.gain.gains[0] = (0.4, 1.0)  # the row's gain held where a 5 ms round pays
         rounds += drafter.propose([SimpleNamespace(slot=0)], greedy_pick).lengths[0] > 0
-        drafter.proposed.clear(), drafter.gain.drafting.clear()
+        drafter.proposed.clear()  # as if the engine had observed the round
+        drafter.gain.drafting.clear()
     assert 1 <= rounds <= 3 and drafter.draft_ms > 6.0 and not drafts(drafter.costs, (0.4, 1.0), drafter.draft_ms)
