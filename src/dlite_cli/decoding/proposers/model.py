@@ -48,7 +48,7 @@ class ModelDrafter(Proposer):
         tokens = torch.zeros(B, K, dtype=torch.long, device=self._device)
         if not drafted:
             return Draft(tokens, [0] * B, None)
-        start = now(self._device)
+        start = now(self._device) if costs is not None else 0.0  # timed where adaptive (on a GPU, timing synchronises)
         draft = self._model_draft([rows[b] for b in drafted], for_rows(pick, drafted))
         lengths = [0] * B
         if self.costs is None:
